@@ -1,0 +1,185 @@
+"""The command line: parse, set up the workers, train, evaluate, save."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+import paddle
+
+from . import checkpoint, data, distributed, engine
+from .config import Config, ConfigError, parse_args, resolve_for_world
+from .distributed import DistEnv, LaunchError
+from .log import get_logger
+from .models import build_model, count_parameters
+from .outputs import RunFiles, output_dir_problem
+
+KEEP_CHECKPOINTS = 3
+
+
+class RunError(RuntimeError):
+    """A problem found after start-up that stops the run with a message."""
+
+
+def _agree_output_dir(cfg: Config, env: DistEnv) -> None:
+    """Rank 0 judges --output-dir; every rank learns the verdict, so no worker waits on one that quit."""
+    problem = output_dir_problem(cfg) if env.is_main else None
+    refused = distributed.all_reduce_sum([1.0 if problem else 0.0], env)[0]
+    if problem:
+        raise ConfigError(problem)
+    if refused:
+        raise ConfigError("rank 0 refused --output-dir; its message is in workerlog.0")
+
+
+def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, train_n: int, test_n: int, threads):
+    log.info(
+        f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
+        f"backend {env.backend}, device {env.device}"
+    )
+    log.info(
+        f"batch: {cfg.batch_size // env.world_size} per worker, {cfg.batch_size} global; "
+        f"lr {cfg.lr} ({cfg.lr_schedule}), momentum {cfg.momentum}, epochs {cfg.epochs}"
+    )
+    log.info(
+        f"dataset {ds.name}: train {train_n} of {len(ds.train)}, validation/test {test_n} of {len(ds.test)} "
+        "(the test split serves as validation)"
+    )
+    log.info(
+        f"paddle {paddle.__version__}, CPU threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
+    )
+
+
+def _checkpoint_state(model, opt, sched, cfg: Config, epoch: int, step: int) -> dict:
+    return {
+        "model": distributed.unwrap(model).state_dict(),
+        "optimizer": opt.state_dict(),
+        "lr_scheduler": sched.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "rng": {"paddle": paddle.get_rng_state(), "numpy": np.random.get_state()},
+        "config": dataclasses.asdict(cfg),
+    }
+
+
+def _restore(path, model, opt, sched, cfg: Config) -> tuple[int, int]:
+    state = checkpoint.load(path)
+    saved = state.get("config", {})
+    for key in ("model", "dataset"):
+        if saved.get(key) != getattr(cfg, key):
+            raise ConfigError(
+                f"--resume: {path} was trained with --{key} {saved.get(key)}, not {getattr(cfg, key)}; "
+                f"pass --{key} {saved.get(key)} or another --output-dir"
+            )
+    model.set_state_dict(state["model"])
+    opt.set_state_dict(state["optimizer"])
+    sched.set_state_dict(state["lr_scheduler"])
+    paddle.set_rng_state(state["rng"]["paddle"])
+    np.random.set_state(state["rng"]["numpy"])
+    return int(state["epoch"]), int(state["step"])
+
+
+def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
+    threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
+    if env.device == "cpu":
+        distributed.apply_cpu_threads(threads)
+    ds = data.load_dataset(cfg.dataset, cfg.data_dir)
+    train, test = ds.train.head(cfg.train_limit), ds.test.head(cfg.eval_limit)
+    if len(train) < cfg.batch_size:
+        raise ConfigError(
+            f"the training split has {len(train)} images, fewer than one global batch of {cfg.batch_size}; "
+            "lower --batch-size or raise --train-limit"
+        )
+    _log_start(log, cfg, env, ds, len(train), len(test), threads)
+    _agree_output_dir(cfg, env)
+
+    paddle.seed(cfg.seed)  # the same seed on every rank: the same initial weights everywhere
+    np.random.seed(cfg.seed)
+    model = build_model(cfg.model, len(ds.classes))
+    log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
+    sampler = engine.make_sampler(len(train), cfg, env)
+    steps_per_epoch = len(sampler)
+    planned = cfg.epochs * steps_per_epoch
+    total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    opt, sched = engine.make_optimizer(cfg, model, total_steps)
+
+    start_epoch = step = 0
+    ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume else []
+    if ckpts:
+        start_epoch, step = _restore(ckpts[-1], model, opt, sched, cfg)
+        log.info(f"resumed from {ckpts[-1]}: {start_epoch} epochs, {step} steps done")
+    files = RunFiles(cfg, env)
+    files.start(start_epoch if ckpts else None)
+    model = distributed.wrap(model, env)
+
+    started = time.time()
+    for epoch in range(start_epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
+        stats = engine.train_one_epoch(model, opt, sched, train, sampler, ds, cfg, env, log, epoch, total_steps - step)
+        step += stats.steps
+        val = engine.evaluate(model, test, ds, cfg, env)
+        row = {
+            "epoch": epoch + 1,
+            "step": step,
+            "train_loss": stats.loss,
+            "train_acc": stats.acc,
+            "val_loss": val.loss,
+            "val_acc": val.acc,
+            "val_count": val.count,
+            "images_per_sec": stats.images_per_sec,
+            "epoch_time_s": stats.seconds,
+            "input_wait_share": stats.input_wait / stats.seconds if stats.seconds else 0.0,
+            "world_size": env.world_size,
+            "global_batch_size": cfg.batch_size,
+            "lr": opt.get_lr(),
+        }
+        log.info(
+            f"epoch {epoch + 1}/{cfg.epochs} done: train loss {stats.loss:.4f} acc {stats.acc:.4f} | "
+            f"val loss {val.loss:.4f} acc {val.acc:.4f} ({val.count} images) | "
+            f"{stats.seconds:.1f}s, {stats.images_per_sec:.0f} img/s global, "
+            f"input wait {100 * row['input_wait_share']:.1f}%"
+        )
+        files.append_metrics(row)
+        files.save_checkpoint(_checkpoint_state(model, opt, sched, cfg, epoch + 1, step), epoch + 1, KEEP_CHECKPOINTS)
+
+    net = distributed.unwrap(model)
+    files.save_weights(net)
+    final = engine.evaluate(model, test, ds, cfg, env)
+    result = {
+        "test_loss": final.loss,
+        "test_acc": final.acc,
+        "test_count": final.count,
+        "steps": step,
+        "world_size": env.world_size,
+        "global_batch_size": cfg.batch_size,
+        "wall_time_s": time.time() - started,
+    }
+    files.write_json("results.json", result)
+    log.info(
+        f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
+        f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
+    )
+    distributed.barrier(env)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+        env = distributed.setup()
+        cfg = resolve_for_world(cfg, env.world_size)
+    except (ConfigError, LaunchError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    log = get_logger(env)
+    try:
+        run(cfg, env, log)
+    except (ConfigError, data.DataError, RunError) as e:
+        log.error(f"error: {e}")
+        return 2
+    return 0

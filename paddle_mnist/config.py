@@ -1,0 +1,160 @@
+"""The run's configuration: one frozen dataclass, built from the command line and validated once."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DATASETS = ("fashion-mnist", "mnist")
+MODELS = ("mnist_cnn",)
+LR_SCHEDULES = ("poly", "constant")
+PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
+
+
+class ConfigError(ValueError):
+    """A configuration the run cannot start with; the message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Config:
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    model: str = "mnist_cnn"
+    epochs: int = 10
+    max_steps: int = 0
+    batch_size: int = 0  # global batch of one optimizer step; 0 = PER_WORKER_BATCH x world size
+    eval_batch_size: int = 1000
+    lr: float = 0.05
+    lr_schedule: str = "poly"
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    seed: int = 42
+    train_limit: int = 0
+    eval_limit: int = 0
+    output_dir: str = "output"
+    resume: bool = False
+    overwrite: bool = False
+    log_every: int = 50
+    cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {value}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description=(
+            "Data-parallel image classification with PaddlePaddle. Start it as any Paddle job: "
+            "python -m paddle.distributed.launch --nproc_per_node 2 --log_dir log train.py [options]"
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--dataset", default=d.dataset, choices=DATASETS, help="dataset to train on")
+    p.add_argument(
+        "--data-dir",
+        default=d.data_dir,
+        help="folder holding the dataset's files (default: data/<dataset> beside train.py)",
+    )
+    p.add_argument("--model", default=d.model, choices=MODELS, help="network to train")
+    p.add_argument("--epochs", type=_positive("--epochs"), default=d.epochs, help="passes over the training split")
+    p.add_argument(
+        "--max-steps",
+        type=_positive("--max-steps"),
+        default=d.max_steps,
+        help="stop after this many optimizer steps in all (0: no limit)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=_positive("--batch-size"),
+        default=d.batch_size,
+        help=f"global batch of one optimizer step, split evenly across workers (0: {PER_WORKER_BATCH} x workers)",
+    )
+    p.add_argument(
+        "--eval-batch-size",
+        type=_positive("--eval-batch-size"),
+        default=d.eval_batch_size,
+        help="per-worker eval batch",
+    )
+    p.add_argument("--lr", type=float, default=d.lr, help="base learning rate")
+    p.add_argument(
+        "--lr-schedule",
+        default=d.lr_schedule,
+        choices=LR_SCHEDULES,
+        help="poly: linear decay to 0 over the planned steps (power 1); constant: no decay",
+    )
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
+    p.add_argument(
+        "--train-limit",
+        type=_positive("--train-limit"),
+        default=d.train_limit,
+        help="use only the first N training images (0: all)",
+    )
+    p.add_argument(
+        "--eval-limit",
+        type=_positive("--eval-limit"),
+        default=d.eval_limit,
+        help="use only the first N test images (0: all)",
+    )
+    p.add_argument("--output-dir", default=d.output_dir, help="where rank 0 writes metrics, checkpoints and weights")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    p.add_argument(
+        "--overwrite", action="store_true", help="start afresh even if --output-dir holds an earlier run's results"
+    )
+    p.add_argument(
+        "--log-every", type=_positive("--log-every"), default=d.log_every, help="steps between progress lines"
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=_positive("--cpu-threads"),
+        default=d.cpu_threads,
+        help="CPU math threads per worker (0: cores / workers on this node)",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Parse the command line into a Config; argparse exits with status 2 on malformed flags."""
+    ns = build_parser().parse_args(argv)
+    cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other: pass one of them")
+    if cfg.lr <= 0:
+        raise ConfigError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.epochs == 0:
+        raise ConfigError("--epochs must be at least 1")
+    return cfg
+
+
+def resolve_for_world(cfg: Config, world_size: int) -> Config:
+    """Fix the global batch for this many workers and check that it splits evenly."""
+    batch = cfg.batch_size or PER_WORKER_BATCH * world_size
+    if batch % world_size:
+        lower = batch - batch % world_size
+        raise ConfigError(
+            f"--batch-size {batch} does not divide by the {world_size} workers: "
+            f"pass a multiple of {world_size}, e.g. --batch-size {lower or world_size}"
+        )
+    return dataclasses.replace(cfg, batch_size=batch)
+
+
+def load_config(path: Path) -> Config:
+    fields = {f.name for f in dataclasses.fields(Config)}
+    raw = json.loads(Path(path).read_text())
+    return Config(**{k: v for k, v in raw.items() if k in fields})

@@ -1,0 +1,141 @@
+"""The distributed environment: every call into paddle.distributed lives here."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+GPU_FLAG = re.compile(r"^--(selected_gpus|gpus|devices)(=.*)?$")
+
+
+class LaunchError(RuntimeError):
+    """The job was launched in a way this build of Paddle cannot honour."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    backend: str  # "gloo", "nccl" or "none" for one process
+    device: str  # "cpu" or "gpu:N"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _parent_gpu_request(ppid: int) -> str | None:
+    """The GPU flag the parent launcher was given, if any ("--selected_gpus=0,1,2,3")."""
+    try:
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if not any("paddle.distributed.launch" in a for a in args):
+        return None
+    for i, arg in enumerate(args):
+        if GPU_FLAG.match(arg):
+            return arg if "=" in arg else f"{arg} {args[i + 1] if i + 1 < len(args) else ''}".strip()
+    return None
+
+
+def check_gpu_request() -> None:
+    """Refuse a GPU launch on a CPU-only build instead of training with fewer workers than asked.
+
+    Paddle's legacy launcher, given --selected_gpus on a build without CUDA, starts a single CPU
+    process and says little about it; this finds the flag on the parent's command line.
+    """
+    if paddle.is_compiled_with_cuda():
+        return
+    flag = _parent_gpu_request(os.getppid())
+    if flag is None:
+        return
+    ids = [x for x in re.split(r"[=\s,]+", flag)[1:] if x]
+    n = max(len(ids), 1)
+    raise LaunchError(
+        f"launched with {flag}, but this Paddle build has no CUDA, so the launcher started "
+        f"{int(os.environ.get('PADDLE_TRAINERS_NUM', '1'))} CPU process instead of {n} GPU workers. "
+        "On a GPU machine install requirements-gpu.txt (paddlepaddle-gpu); to train on CPU run: "
+        f"python -m paddle.distributed.launch --nproc_per_node {n} --log_dir log train.py"
+    )
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.strip():
+            return int(value)
+    return default
+
+
+def setup() -> DistEnv:
+    """Join the process group (when launched with more than one worker) and pick the device."""
+    check_gpu_request()
+    world = _env_int("PADDLE_TRAINERS_NUM", "PADDLE_GLOBAL_SIZE", default=1)
+    use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if world > 1:
+        dist.init_parallel_env()
+    rank = dist.get_rank() if world > 1 else 0
+    world = dist.get_world_size() if world > 1 else 1
+    penv = dist.ParallelEnv()
+    local_rank = penv.local_rank if world > 1 else 0
+    local_size = _env_int("PADDLE_LOCAL_SIZE", default=len(os.environ.get("PADDLE_TRAINER_ENDPOINTS", "x").split(",")))
+    local_size = min(local_size, world)
+    # the launcher sets FLAGS_selected_gpus per worker; ParallelEnv reads it back
+    device = f"gpu:{penv.device_id}" if use_gpu else "cpu"
+    paddle.set_device(device)
+    if world == 1:
+        backend = "none"
+    else:
+        backend = os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if use_gpu else "gloo")
+    return DistEnv(rank, world, local_rank, local_size, backend, device)
+
+
+def wrap(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
+    """DataParallel for more than one worker: it broadcasts rank 0's weights, then averages gradients."""
+    return paddle.DataParallel(model) if env.world_size > 1 else model
+
+
+def unwrap(model: paddle.nn.Layer) -> paddle.nn.Layer:
+    return model._layers if isinstance(model, paddle.DataParallel) else model
+
+
+def all_reduce_sum(values: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Sum a small float64 vector over all workers (exact for counts below 2**53)."""
+    values = np.asarray(values, dtype=np.float64)
+    if env.world_size == 1:
+        return values
+    t = paddle.to_tensor(values, dtype="float64")
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.numpy()
+
+
+def all_reduce_max(value: float, env: DistEnv) -> float:
+    if env.world_size == 1:
+        return value
+    t = paddle.to_tensor([value], dtype="float64")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.numpy()[0])
+
+
+def barrier(env: DistEnv) -> None:
+    if env.world_size > 1:
+        dist.barrier()
+
+
+def cpu_threads(requested: int, local_size: int) -> int:
+    """Threads per worker: the cores divided among this node's workers, at least one."""
+    if requested:
+        return requested
+    return max(1, (os.cpu_count() or 1) // max(local_size, 1))
+
+
+def apply_cpu_threads(n: int) -> None:
+    paddle.base.core.set_num_threads(n)

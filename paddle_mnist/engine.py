@@ -1,0 +1,149 @@
+"""One training epoch and one distributed evaluation, each returning its figures."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from . import data
+from .config import Config
+from .distributed import DistEnv, all_reduce_max, all_reduce_sum, unwrap
+from .log import ProgressBar
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    loss: float
+    acc: float
+    images: int  # global, all workers
+    steps: int
+    seconds: float  # slowest worker's wall time for the epoch's steps
+    input_wait: float  # this worker's seconds spent waiting for a batch
+
+    @property
+    def images_per_sec(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class EvalStats:
+    loss: float
+    acc: float
+    count: int
+
+
+class IndexSpace:
+    """What DistributedBatchSampler needs of a dataset: its length. Batches are built from indices."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def make_sampler(n: int, cfg: Config, env: DistEnv) -> paddle.io.DistributedBatchSampler:
+    return paddle.io.DistributedBatchSampler(
+        IndexSpace(n),
+        batch_size=cfg.batch_size // env.world_size,
+        num_replicas=env.world_size,
+        rank=env.rank,
+        shuffle=True,
+        drop_last=True,
+    )
+
+
+def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int):
+    if cfg.lr_schedule == "poly":
+        sched = paddle.optimizer.lr.PolynomialDecay(cfg.lr, decay_steps=max(total_steps, 1), end_lr=0.0, power=1.0)
+    else:  # a decay from lr to lr: constant, with the same state_dict shape as poly
+        sched = paddle.optimizer.lr.PolynomialDecay(cfg.lr, decay_steps=1, end_lr=cfg.lr, power=1.0)
+    decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
+    opt = paddle.optimizer.Momentum(
+        learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay
+    )
+    return opt, sched
+
+
+def train_one_epoch(
+    model: paddle.nn.Layer,
+    opt: paddle.optimizer.Optimizer,
+    sched: paddle.optimizer.lr.LRScheduler,
+    split: data.Split,
+    sampler: paddle.io.DistributedBatchSampler,
+    ds: data.Dataset,
+    cfg: Config,
+    env: DistEnv,
+    log: logging.Logger,
+    epoch: int,
+    step_limit: int,
+) -> EpochStats:
+    """Train until the sampler is exhausted or step_limit steps are done; figures are summed over workers."""
+    model.train()
+    total = min(len(sampler), step_limit)
+    bar = ProgressBar(env, total, f"epoch {epoch + 1}")
+    loss_sum = paddle.zeros([], dtype="float32")
+    correct = paddle.zeros([], dtype="int64")
+    seen = steps = 0
+    wait = 0.0
+    start = time.perf_counter()
+    batches = data.prefetch(data.batches(split, sampler, ds.mean, ds.std))
+    for steps in range(1, total + 1):
+        t0 = time.perf_counter()
+        images, labels = next(batches)
+        wait += time.perf_counter() - t0
+        x, y = paddle.to_tensor(images), paddle.to_tensor(labels)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+        sched.step()
+        loss_sum += loss.detach() * len(labels)
+        correct += (logits.argmax(axis=1) == y).astype("int64").sum()
+        seen += len(labels)
+        if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
+            elapsed = time.perf_counter() - start
+            log.info(
+                f"epoch {epoch + 1} step {steps}/{total} loss {float(loss):.4f} lr {opt.get_lr():.5f} "
+                f"{seen * env.world_size / elapsed:.0f} img/s (global)"
+            )
+        bar.update(steps, f"loss {float(loss):.4f}" if env.is_main and bar.enabled else "")
+    batches.close()
+    seconds = all_reduce_max(time.perf_counter() - start, env)
+    totals = all_reduce_sum([float(loss_sum), float(correct), seen], env)
+    images = int(totals[2])
+    return EpochStats(
+        loss=totals[0] / max(images, 1),
+        acc=totals[1] / max(images, 1),
+        images=images,
+        steps=steps,
+        seconds=seconds,
+        input_wait=wait,
+    )
+
+
+@paddle.no_grad()
+def evaluate(model: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, env: DistEnv) -> EvalStats:
+    """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once."""
+    net = unwrap(model)
+    net.eval()
+    shard = data.eval_shard(len(split), env.rank, env.world_size)
+    sums = np.zeros(3)
+    for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
+        idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
+        images, labels = next(data.batches(split, [idx], ds.mean, ds.std))
+        y = paddle.to_tensor(labels)
+        logits = net(paddle.to_tensor(images))
+        sums += (
+            float((logits.argmax(axis=1) == y).astype("int64").sum()),
+            float(F.cross_entropy(logits, y, reduction="sum")),
+            len(idx),
+        )
+    correct, loss_sum, count = all_reduce_sum(sums, env)
+    return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))

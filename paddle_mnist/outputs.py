@@ -1,0 +1,91 @@
+"""The only writer of files: rank 0 writes, every other rank's calls do nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import paddle
+
+from . import checkpoint
+from .config import Config
+from .distributed import DistEnv
+from .plots import plot_curves
+
+RESULT_FILES = ("metrics.jsonl", "model.pdparams", checkpoint.CKPT_DIR)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def output_dir_problem(cfg: Config) -> str | None:
+    """Why this run may not write into --output-dir, or None when it may."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        return f"--output-dir {out} is a file; pass a folder"
+    existing = [name for name in RESULT_FILES if (out / name).exists()]
+    if cfg.resume:
+        if not checkpoint.list_checkpoints(out):
+            return f"--resume: no checkpoint in {out / checkpoint.CKPT_DIR}; drop --resume to start afresh"
+        return None
+    if existing and not cfg.overwrite:
+        return (
+            f"{out} already holds a run's results ({', '.join(existing)}); "
+            "pass --resume to continue it, --overwrite to replace it, or another --output-dir"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"cannot write to --output-dir {out} ({e.strerror}); pass a writable folder"
+    return None
+
+
+class RunFiles:
+    def __init__(self, cfg: Config, env: DistEnv):
+        self.out = Path(cfg.output_dir)
+        self.enabled = env.is_main
+        self.cfg = cfg
+
+    def start(self, resumed_epoch: int | None) -> None:
+        """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them."""
+        if not self.enabled:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        _write_text_atomic(self.out / "config.json", self.cfg.to_json() + "\n")
+        metrics = self.out / "metrics.jsonl"
+        if resumed_epoch is None:
+            metrics.unlink(missing_ok=True)
+            for old in checkpoint.list_checkpoints(self.out):
+                old.unlink()
+        elif metrics.is_file():
+            rows = [r for r in metrics.read_text().splitlines() if r.strip()]
+            kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
+            _write_text_atomic(metrics, "".join(r + "\n" for r in kept))
+
+    def append_metrics(self, row: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        plot_curves(self.out / "metrics.jsonl", self.out / "curves.png")
+
+    def save_checkpoint(self, state: dict, epoch: int, keep: int) -> None:
+        if not self.enabled:
+            return
+        checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.out, epoch))
+        checkpoint.prune(self.out, keep)
+
+    def save_weights(self, model: paddle.nn.Layer) -> None:
+        if self.enabled:
+            checkpoint.save_atomic(model.state_dict(), self.out / "model.pdparams")
+
+    def write_json(self, name: str, obj: dict) -> None:
+        if self.enabled:
+            _write_text_atomic(self.out / name, json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,58 @@
+"""Loss and accuracy curves drawn from a run's metrics.jsonl; usable on its own: python -m paddle_mnist.plots DIR."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(metrics_path: Path, out_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    epochs = [r["epoch"] for r in rows]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("train_loss", "train"), ("val_loss", "validation")):
+        ax_loss.plot(epochs, [r[key] for r in rows], marker="o", label=label)
+    for key, label in (("train_acc", "train"), ("val_acc", "validation")):
+        ax_acc.plot(epochs, [r[key] for r in rows], marker="o", label=label)
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="Accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if rows:
+        last = rows[-1]
+        fig.suptitle(f"{last.get('world_size', '?')} worker(s), global batch {last.get('global_batch_size', '?')}")
+    fig.tight_layout()
+    tmp = Path(out_path).with_name(f".{Path(out_path).name}.tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(out_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m paddle_mnist.plots OUTPUT_DIR", file=sys.stderr)
+        return 2
+    folder = Path(args[0])
+    metrics = folder / "metrics.jsonl"
+    if not metrics.is_file():
+        print(f"error: {metrics} not found; pass the --output-dir of a run", file=sys.stderr)
+        return 1
+    plot_curves(metrics, folder / "curves.png")
+    print(folder / "curves.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""Entry point: python train.py [options], or under python -m paddle.distributed.launch."""
+
+import sys
+
+from paddle_mnist.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
