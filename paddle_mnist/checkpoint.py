@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import paddle
 
 CKPT_DIR = "checkpoints"
-CKPT_NAME = re.compile(r"^epoch_(\d+)\.pdckpt$")
+CKPT_NAME = re.compile(r"^step_(\d+)\.pdckpt$")
 
 
 def save_atomic(obj: object, path: Path) -> None:
@@ -25,8 +26,9 @@ def save_atomic(obj: object, path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def checkpoint_path(output_dir: Path, epoch: int) -> Path:
-    return Path(output_dir) / CKPT_DIR / f"epoch_{epoch:04d}.pdckpt"
+def checkpoint_path(output_dir: Path, step: int) -> Path:
+    """Named by optimizer step, so epoch-end and mid-epoch checkpoints sort together."""
+    return Path(output_dir) / CKPT_DIR / f"step_{step:08d}.pdckpt"
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -44,3 +46,12 @@ def prune(output_dir: Path, keep: int) -> None:
 
 def load(path: Path) -> dict:
     return paddle.load(str(path))
+
+
+def digest(model: paddle.nn.Layer) -> str:
+    """SHA-256 of every parameter and buffer, in name order: equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, value in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(value.numpy().tobytes())
+    return h.hexdigest()

@@ -53,33 +53,36 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
     )
 
 
-def _checkpoint_state(model, opt, sched, cfg: Config, epoch: int, step: int) -> dict:
+def _checkpoint_state(model, opt, sched, cfg: Config, epoch: int, batch_in_epoch: int, step: int) -> dict:
+    """epoch counts whole epochs done; batch_in_epoch the batches of the next one already trained."""
     return {
         "model": distributed.unwrap(model).state_dict(),
         "optimizer": opt.state_dict(),
         "lr_scheduler": sched.state_dict(),
         "epoch": epoch,
+        "batch_in_epoch": batch_in_epoch,
         "step": step,
         "rng": {"paddle": paddle.get_rng_state(), "numpy": np.random.get_state()},
         "config": dataclasses.asdict(cfg),
     }
 
 
-def _restore(path, model, opt, sched, cfg: Config) -> tuple[int, int]:
+def _restore(path, model, opt, sched, cfg: Config) -> tuple[int, int, int]:
     state = checkpoint.load(path)
     saved = state.get("config", {})
-    for key in ("model", "dataset"):
+    for key in ("model", "dataset", "batch_size"):
         if saved.get(key) != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
             raise ConfigError(
-                f"--resume: {path} was trained with --{key} {saved.get(key)}, not {getattr(cfg, key)}; "
-                f"pass --{key} {saved.get(key)} or another --output-dir"
+                f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(cfg, key)}; "
+                f"pass {flag} {saved.get(key)} or another --output-dir"
             )
     model.set_state_dict(state["model"])
     opt.set_state_dict(state["optimizer"])
     sched.set_state_dict(state["lr_scheduler"])
     paddle.set_rng_state(state["rng"]["paddle"])
     np.random.set_state(state["rng"]["numpy"])
-    return int(state["epoch"]), int(state["step"])
+    return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"])
 
 
 def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
@@ -102,26 +105,31 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
     sampler = engine.make_sampler(len(train), cfg, env)
     steps_per_epoch = len(sampler)
+    # the schedule is planned over --epochs; --max-steps only stops early, so a stopped run can be resumed exactly
     planned = cfg.epochs * steps_per_epoch
-    total_steps = min(planned, cfg.max_steps) if cfg.max_steps else planned
-    opt, sched = engine.make_optimizer(cfg, model, total_steps)
+    last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    opt, sched = engine.make_optimizer(cfg, model, planned)
 
-    start_epoch = step = 0
+    start_epoch = skip = step = 0
     ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume else []
     if ckpts:
-        start_epoch, step = _restore(ckpts[-1], model, opt, sched, cfg)
-        log.info(f"resumed from {ckpts[-1]}: {start_epoch} epochs, {step} steps done")
+        start_epoch, skip, step = _restore(ckpts[-1], model, opt, sched, cfg)
+        log.info(f"resumed from {ckpts[-1]}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
     files.start(start_epoch if ckpts else None)
     model = distributed.wrap(model, env)
 
     started = time.time()
     for epoch in range(start_epoch, cfg.epochs):
-        if step >= total_steps:
+        if step >= last_step:
             break
         sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
-        stats = engine.train_one_epoch(model, opt, sched, train, sampler, ds, cfg, env, log, epoch, total_steps - step)
+        stats = engine.train_one_epoch(
+            model, opt, sched, train, sampler, ds, cfg, env, log, epoch, last_step - step, skip
+        )
         step += stats.steps
+        done = skip + stats.steps
+        skip = 0
         val = engine.evaluate(model, test, ds, cfg, env)
         row = {
             "epoch": epoch + 1,
@@ -145,7 +153,9 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             f"input wait {100 * row['input_wait_share']:.1f}%"
         )
         files.append_metrics(row)
-        files.save_checkpoint(_checkpoint_state(model, opt, sched, cfg, epoch + 1, step), epoch + 1, KEEP_CHECKPOINTS)
+        whole = done == steps_per_epoch
+        state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
+        files.save_checkpoint(state, KEEP_CHECKPOINTS)
 
     net = distributed.unwrap(model)
     files.save_weights(net)
@@ -160,6 +170,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         "wall_time_s": time.time() - started,
     }
     files.write_json("results.json", result)
+    log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
         f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
         f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"

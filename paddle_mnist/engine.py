@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -82,17 +83,21 @@ def train_one_epoch(
     log: logging.Logger,
     epoch: int,
     step_limit: int,
+    skip: int = 0,
 ) -> EpochStats:
-    """Train until the sampler is exhausted or step_limit steps are done; figures are summed over workers."""
+    """Train until the sampler is exhausted or step_limit steps are done; figures are summed over workers.
+
+    skip: batches of this epoch already trained before a mid-epoch checkpoint; they are passed over unread.
+    """
     model.train()
-    total = min(len(sampler), step_limit)
+    total = min(len(sampler) - skip, step_limit)
     bar = ProgressBar(env, total, f"epoch {epoch + 1}")
     loss_sum = paddle.zeros([], dtype="float32")
     correct = paddle.zeros([], dtype="int64")
     seen = steps = 0
     wait = 0.0
     start = time.perf_counter()
-    batches = data.prefetch(data.batches(split, sampler, ds.mean, ds.std))
+    batches = data.prefetch(data.batches(split, itertools.islice(sampler, skip, None), ds.mean, ds.std))
     for steps in range(1, total + 1):
         t0 = time.perf_counter()
         images, labels = next(batches)

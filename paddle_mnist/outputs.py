@@ -76,10 +76,10 @@ class RunFiles:
             f.write(json.dumps(row) + "\n")
         plot_curves(self.out / "metrics.jsonl", self.out / "curves.png")
 
-    def save_checkpoint(self, state: dict, epoch: int, keep: int) -> None:
+    def save_checkpoint(self, state: dict, keep: int) -> None:
         if not self.enabled:
             return
-        checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.out, epoch))
+        checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.out, state["step"]))
         checkpoint.prune(self.out, keep)
 
     def save_weights(self, model: paddle.nn.Layer) -> None:

@@ -1,0 +1,91 @@
+"""Shared by the tests: small datasets in the real idx format, and running the trainer as users do."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN_PY = REPO / "train.py"
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    return header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+
+
+def write_idx(path: Path, array: np.ndarray, compress: bool = True) -> Path:
+    raw = idx_bytes(array)
+    path = Path(str(path) + ".gz") if compress else Path(path)
+    path.write_bytes(gzip.compress(raw) if compress else raw)
+    return path
+
+
+def make_images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ten learnable classes, MNIST-like in brightness: sparse bright strokes per class plus noise."""
+    templates = (np.random.RandomState(0).rand(10, 28, 28) < 0.15) * 255.0
+    rng = np.random.RandomState(seed)
+    labels = rng.randint(0, 10, size=n)
+    noise = rng.normal(0, 70, size=(n, 28, 28))
+    images = np.clip(templates[labels] + noise, 0, 255).astype(np.uint8)
+    return images, labels.astype(np.uint8)
+
+
+def make_dataset(folder: Path, n_train: int = 512, n_test: int = 201, compress: bool = True, checksums: bool = True):
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for split, n, seed in (("train", n_train, 1), ("t10k", n_test, 2)):
+        images, labels = make_images(n, seed)
+        written.append(write_idx(folder / f"{split}-images-idx3-ubyte", images, compress))
+        written.append(write_idx(folder / f"{split}-labels-idx1-ubyte", labels, compress))
+    if checksums:
+        lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in written]
+        (folder / "SHA256SUMS").write_text("".join(lines))
+    return folder
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def run_single(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(TRAIN_PY), *args]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_launch(
+    args: list[str], cwd: Path, log_dir: Path, launch_args: list[str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+    """python -m paddle.distributed.launch [launch_args] --log_dir LOG train.py ARGS, as a user would type it."""
+    launch_args = ["--nproc_per_node", "2"] if launch_args is None else launch_args
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", *launch_args, "--log_dir", str(log_dir)]
+    cmd += [str(TRAIN_PY), *args]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def worker_log(log_dir: Path, rank: int) -> str:
+    return (Path(log_dir) / f"workerlog.{rank}").read_text()
+
+
+def param_digest(log_text: str) -> str:
+    found = re.findall(r"parameters sha256 ([0-9a-f]{64})", log_text)
+    assert found, "no parameter digest in the log"
+    return found[-1]
+
+
+def explain(proc: subprocess.CompletedProcess, log_dir: Path | None = None) -> str:
+    parts = [f"exit {proc.returncode}", proc.stdout[-3000:], proc.stderr[-3000:]]
+    if log_dir is not None:
+        for p in sorted(Path(log_dir).glob("workerlog.*")):
+            parts.append(f"--- {p.name}\n{p.read_text()[-3000:]}")
+    return "\n".join(parts)

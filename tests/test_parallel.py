@@ -1,0 +1,166 @@
+"""Real multi-process runs through paddle.distributed.launch on CPU (gloo), checked by what they produce."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import paddle
+import pytest
+from helpers import explain, make_dataset, param_digest, run_launch, run_single, worker_log
+
+from paddle_mnist import data
+from paddle_mnist.config import Config
+from paddle_mnist.distributed import DistEnv
+from paddle_mnist.engine import evaluate
+from paddle_mnist.models import MnistCNN
+
+SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "4", "--lr", "0.02"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=201)
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_weights(path):
+    return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
+
+
+@pytest.fixture(scope="module")
+def one_and_two(dataset, tmp_path_factory):
+    """The same job, global batch 64 for 2 epochs (16 steps), in one process and in two workers."""
+    root = tmp_path_factory.mktemp("runs")
+    args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2"]
+    one = run_single([*args, "--output-dir", str(root / "one")], cwd=root)
+    assert one.returncode == 0, explain(one)
+    two = run_launch([*args, "--output-dir", str(root / "two")], cwd=root, log_dir=root / "log")
+    assert two.returncode == 0, explain(two, root / "log")
+    return root
+
+
+def test_every_rank_ends_with_identical_parameters(one_and_two):
+    logs = [worker_log(one_and_two / "log", r) for r in (0, 1)]
+    assert param_digest(logs[0]) == param_digest(logs[1])
+
+
+def test_two_workers_equal_one_process_with_the_same_global_batch(one_and_two):
+    one = load_weights(one_and_two / "one" / "model.pdparams")
+    two = load_weights(one_and_two / "two" / "model.pdparams")
+    assert one.keys() == two.keys() and len(one) == 6
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0, err_msg=name)
+    m1, m2 = read_metrics(one_and_two / "one"), read_metrics(one_and_two / "two")
+    assert [r["step"] for r in m2] == [8, 16]
+    for a, b in zip(m1, m2):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
+        assert b["train_acc"] == pytest.approx(a["train_acc"], abs=1e-9)
+
+
+def test_worker_logs_are_rank_tagged(one_and_two):
+    for rank in (0, 1):
+        text = worker_log(one_and_two / "log", rank)
+        assert f"[rank {rank}/2] rank {rank} of world size 2" in text
+        assert "backend gloo, device cpu" in text
+        assert "batch: 32 per worker, 64 global" in text
+        assert f"[rank {rank}/2] epoch 2/2 done" in text
+
+
+def test_outputs_are_written_by_rank_zero(one_and_two):
+    out = one_and_two / "two"
+    for name in ("config.json", "metrics.jsonl", "model.pdparams", "curves.png", "results.json"):
+        assert (out / name).is_file(), name
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(list((out / "checkpoints").glob("step_*.pdckpt"))) == 2
+    assert json.loads((out / "config.json").read_text())["batch_size"] == 64
+    row = read_metrics(out)[-1]
+    for key in ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "images_per_sec", "epoch_time_s", "lr"):
+        assert key in row
+    assert row["world_size"] == 2 and row["global_batch_size"] == 64 and row["images_per_sec"] > 0
+
+
+def test_distributed_evaluation_counts_each_image_once(one_and_two, dataset):
+    """201 test images over 2 workers (101 + 100): the reported totals equal a one-process evaluation."""
+    out = one_and_two / "two"
+    assert all(r["val_count"] == 201 for r in read_metrics(out))
+    reported = json.loads((out / "results.json").read_text())
+    assert reported["test_count"] == 201
+
+    model = MnistCNN()  # a bare model, no DataParallel: the saved keys carry no _layers. prefix
+    model.set_state_dict(paddle.load(str(out / "model.pdparams")))
+    ds = data.load_dataset("mnist", str(dataset))
+    local = evaluate(model, ds.test.head(201), ds, Config(), DistEnv(0, 1, 0, 1, "none", "cpu"))
+    assert local.count == 201
+    assert local.acc == reported["test_acc"]
+    assert local.loss == pytest.approx(reported["test_loss"], rel=1e-5)
+    assert reported["test_acc"] > 0.5  # the synthetic classes are learnable: training did something
+
+
+def test_resume_mid_epoch_equals_an_uninterrupted_run(dataset, tmp_path):
+    args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "3"]
+    full = run_launch([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path, log_dir=tmp_path / "l1")
+    assert full.returncode == 0, explain(full, tmp_path / "l1")
+    # stop after 12 steps (epoch 2, batch 4 of 8), then continue with the same command plus --resume
+    part = run_launch(
+        [*args, "--output-dir", str(tmp_path / "part"), "--max-steps", "12"], cwd=tmp_path, log_dir=tmp_path / "l2"
+    )
+    assert part.returncode == 0, explain(part, tmp_path / "l2")
+    assert read_metrics(tmp_path / "part")[-1]["step"] == 12
+    again = run_launch(
+        [*args, "--output-dir", str(tmp_path / "part"), "--resume"], cwd=tmp_path, log_dir=tmp_path / "l3"
+    )
+    assert again.returncode == 0, explain(again, tmp_path / "l3")
+    assert "resumed from" in worker_log(tmp_path / "l3", 1)
+
+    a, b = load_weights(tmp_path / "full" / "model.pdparams"), load_weights(tmp_path / "part" / "model.pdparams")
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    full_rows, resumed_rows = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert [r["epoch"] for r in resumed_rows] == [1, 2, 3]
+    for key in ("val_loss", "val_acc", "lr"):
+        assert resumed_rows[2][key] == full_rows[2][key]
+    assert resumed_rows[0]["train_loss"] == full_rows[0]["train_loss"]
+
+
+def test_batch_that_does_not_split_stops_every_worker(dataset, tmp_path):
+    proc = run_launch(
+        [*SMALL, "--data-dir", str(dataset), "--batch-size", "63", "--output-dir", str(tmp_path / "o")],
+        cwd=tmp_path,
+        log_dir=tmp_path / "log",
+    )
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert "--batch-size 63 does not divide by the 2 workers" in worker_log(tmp_path / "log", rank)
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_results_are_not_overwritten(dataset, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    proc = run_launch(
+        [*SMALL, "--data-dir", str(dataset), "--output-dir", str(out)], cwd=tmp_path, log_dir=tmp_path / "log"
+    )
+    assert proc.returncode != 0
+    assert "already holds a run's results" in worker_log(tmp_path / "log", 0)
+    assert "rank 0 refused --output-dir" in worker_log(tmp_path / "log", 1)
+    assert (out / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+
+
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="checks the CPU-only build's handling of GPU flags")
+def test_gpu_flags_on_a_cpu_build_are_refused(dataset, tmp_path):
+    proc = run_launch(
+        [*SMALL, "--data-dir", str(dataset), "--output-dir", str(tmp_path / "o")],
+        cwd=tmp_path,
+        log_dir=tmp_path / "log",
+        launch_args=["--selected_gpus=0,1,2,3"],
+    )
+    assert proc.returncode != 0
+    text = (tmp_path / "log" / "workerlog.0").read_text()
+    assert "launched with --selected_gpus=0,1,2,3, but this Paddle build has no CUDA" in text
+    assert "--nproc_per_node 4" in text
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,146 @@
+"""Fast tests of the pure pieces: configuration, idx parsing, checksums, shards, sampler coverage."""
+
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import paddle
+import pytest
+from helpers import REPO, idx_bytes, make_dataset, write_idx
+
+from paddle_mnist import config, data, engine
+from paddle_mnist.distributed import DistEnv
+from paddle_mnist.models import MnistCNN, count_parameters
+
+
+def test_default_global_batch_is_64_per_worker():
+    cfg = config.parse_args([])
+    assert config.resolve_for_world(cfg, 1).batch_size == 64
+    assert config.resolve_for_world(cfg, 4).batch_size == 256
+
+
+def test_batch_that_does_not_split_is_refused():
+    cfg = config.parse_args(["--batch-size", "63"])
+    with pytest.raises(config.ConfigError, match="does not divide by the 2 workers"):
+        config.resolve_for_world(cfg, 2)
+    assert config.resolve_for_world(cfg, 1).batch_size == 63
+
+
+def test_resume_and_overwrite_together_are_refused():
+    with pytest.raises(config.ConfigError, match="contradict"):
+        config.parse_args(["--resume", "--overwrite"])
+
+
+def test_config_round_trips_through_json(tmp_path):
+    cfg = config.parse_args(["--epochs", "3", "--lr", "0.1", "--train-limit", "100"])
+    (tmp_path / "c.json").write_text(cfg.to_json())
+    assert config.load_config(tmp_path / "c.json") == cfg
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_idx_files_load_gzipped_or_plain(tmp_path, compress):
+    make_dataset(tmp_path, n_train=30, n_test=7, compress=compress)
+    split = data.load_split(tmp_path, "test")
+    assert split.images.shape == (7, 28, 28) and split.images.dtype == np.uint8
+    assert split.labels.dtype == np.int64 and len(split) == 7
+
+
+def test_wrong_magic_number_names_the_file(tmp_path):
+    raw = bytearray(idx_bytes(np.zeros((3, 28, 28), np.uint8)))
+    raw[3] = 2
+    with pytest.raises(data.DataError, match="wrong magic number"):
+        data.parse_idx(bytes(raw), tmp_path / "x", 3)
+
+
+def test_truncated_file_is_refused(tmp_path):
+    raw = idx_bytes(np.zeros((3, 28, 28), np.uint8))
+    with pytest.raises(data.DataError, match="header promises"):
+        data.parse_idx(raw[:-5], tmp_path / "x", 3)
+
+
+def test_truncated_gzip_is_refused(tmp_path):
+    make_dataset(tmp_path, n_train=30, n_test=7)
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-20])
+    (tmp_path / "SHA256SUMS").unlink()
+    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz"):
+        data.load_split(tmp_path, "test")
+
+
+def test_label_count_must_match_image_count(tmp_path):
+    make_dataset(tmp_path, n_train=30, n_test=7)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(6, np.uint8))
+    with pytest.raises(data.DataError, match="7 images but .* 6 labels"):
+        data.load_split(tmp_path, "test")
+
+
+def test_checksum_mismatch_is_refused(tmp_path):
+    make_dataset(tmp_path, n_train=30, n_test=7)
+    path = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    path.write_bytes(gzip.compress(idx_bytes(np.ones(7, np.uint8))))
+    with pytest.raises(data.DataError, match="SHA-256 does not match"):
+        data.load_dataset("mnist", str(tmp_path))
+
+
+def test_shipped_fashion_mnist_is_intact():
+    ds = data.load_dataset("fashion-mnist")
+    assert (len(ds.train), len(ds.test)) == (60000, 10000)
+    assert np.bincount(ds.test.labels).tolist() == [1000] * 10
+    assert (REPO / "data" / "fashion-mnist" / "LICENSE").is_file()
+
+
+def test_normalise_uses_the_training_statistics():
+    ds = data.load_dataset("fashion-mnist")
+    x = data.normalise(ds.train.images[:20000], ds.mean, ds.std)
+    assert x.shape == (20000, 1, 28, 28) and x.dtype == np.float32
+    assert abs(float(x.mean())) < 0.02 and abs(float(x.std()) - 1) < 0.02
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 10000, 10001])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_eval_shards_cover_every_image_once(n, world):
+    seen = np.concatenate([np.arange(n)[data.eval_shard(n, r, world)] for r in range(world)])
+    assert sorted(seen.tolist()) == list(range(n))
+
+
+def test_sampler_gives_each_worker_its_part_of_every_global_batch():
+    """Rank r's k-th batch is the r-th slice of the one-process k-th global batch."""
+    n, global_batch = 1000, 96
+    cfg = config.Config(batch_size=global_batch)
+    one = engine.make_sampler(n, cfg, DistEnv(0, 1, 0, 1, "none", "cpu"))
+    two = [engine.make_sampler(n, cfg, DistEnv(r, 2, r, 2, "gloo", "cpu")) for r in range(2)]
+    for s in (one, *two):
+        s.set_epoch(data.sampler_epoch(7, 3))
+    full, halves = list(one), [list(s) for s in two]
+    assert len(full) == len(halves[0]) == len(halves[1]) == n // global_batch
+    for k, batch in enumerate(full):
+        assert halves[0][k] + halves[1][k] == batch
+
+
+def test_seed_changes_the_data_order():
+    cfg = config.Config(batch_size=10)
+    orders = []
+    for seed in (1, 2):
+        s = engine.make_sampler(100, cfg, DistEnv(0, 1, 0, 1, "none", "cpu"))
+        s.set_epoch(data.sampler_epoch(seed, 0))
+        orders.append(next(iter(s)))
+    assert orders[0] != orders[1]
+
+
+def test_mnist_cnn_shape_and_size():
+    model = MnistCNN()
+    # conv1 1*20*25+20, conv2 20*20*25+20, fc 980*10+10
+    assert count_parameters(model) == 520 + 10020 + 9810
+    assert model(paddle.zeros([3, 1, 28, 28])).shape == [3, 10]
+
+
+def test_prefetch_passes_errors_through():
+    def broken():
+        yield 1
+        raise data.DataError("bad batch")
+
+    it = data.prefetch(broken())
+    assert next(it) == 1
+    with pytest.raises(data.DataError, match="bad batch"):
+        next(it)
