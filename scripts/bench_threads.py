@@ -1,0 +1,70 @@
+"""Measure one worker's training speed (MNIST CNN, bare loop on in-memory tensors) under CPU thread settings.
+
+Each setting runs in its own fresh process, one after another, so they compare side by side in one run:
+
+    python scripts/bench_threads.py --threads 1 2 --onednn 0 1 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def measure(threads: int, batch: int, steps: int) -> float:
+    import numpy as np
+    import paddle
+    import paddle.nn.functional as F
+
+    sys.path.insert(0, str(REPO))
+    from paddle_mnist.models import MnistCNN
+
+    paddle.base.core.set_num_threads(threads)
+    paddle.seed(0)
+    model = MnistCNN()
+    opt = paddle.optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters())
+    x = paddle.to_tensor(np.random.RandomState(0).randn(batch, 1, 28, 28).astype("float32"))
+    y = paddle.to_tensor(np.random.RandomState(1).randint(0, 10, batch).astype("int64"))
+    warmup = 10
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.clear_grad()
+    float(loss)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to try")
+    p.add_argument("--onednn", type=int, nargs="+", default=[0, 1], help="FLAGS_use_mkldnn values to try")
+    p.add_argument("--batch", type=int, default=64, help="per-worker batch")
+    p.add_argument("--steps", type=int, default=60, help="timed steps after 10 warm-up steps")
+    p.add_argument("--child", nargs=3, type=int, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps({"images_per_sec": measure(*args.child)}))
+        return 0
+    print(f"{'threads':>7} {'oneDNN':>6} {'img/s':>8}")
+    for onednn in args.onednn:
+        for threads in args.threads:
+            env = dict(os.environ, FLAGS_use_mkldnn=str(onednn), OMP_NUM_THREADS=str(threads))
+            cmd = [sys.executable, __file__, "--child", str(threads), str(args.batch), str(args.steps)]
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+            rate = json.loads(out.strip().splitlines()[-1])["images_per_sec"]
+            print(f"{threads:>7} {onednn:>6} {rate:>8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
