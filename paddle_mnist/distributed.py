@@ -85,7 +85,8 @@ def setup() -> DistEnv:
     rank = dist.get_rank() if world > 1 else 0
     world = dist.get_world_size() if world > 1 else 1
     penv = dist.ParallelEnv()
-    local_rank = penv.local_rank if world > 1 else 0
+    # ParallelEnv().local_rank is the global rank; the launchers export the rank within the node
+    local_rank = _env_int("PADDLE_LOCAL_RANK", "PADDLE_RANK_IN_NODE", default=0)
     local_size = _env_int("PADDLE_LOCAL_SIZE", default=len(os.environ.get("PADDLE_TRAINER_ENDPOINTS", "x").split(",")))
     local_size = min(local_size, world)
     # the launcher sets FLAGS_selected_gpus per worker; ParallelEnv reads it back

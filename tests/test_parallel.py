@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import socket
 
 import numpy as np
 import paddle
@@ -164,3 +166,33 @@ def test_gpu_flags_on_a_cpu_build_are_refused(dataset, tmp_path):
     assert "launched with --selected_gpus=0,1,2,3, but this Paddle build has no CUDA" in text
     assert "--nproc_per_node 4" in text
     assert not (tmp_path / "o").exists()
+
+
+def test_two_nodes_on_loopback_equal_one_process(one_and_two, dataset, tmp_path):
+    """Two launchers (--nnodes 2, one worker each) meeting on 127.0.0.1 train the same weights as one process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2"]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [
+            pool.submit(
+                run_launch,
+                [*args, "--output-dir", str(tmp_path / f"node{node}")],
+                tmp_path,
+                tmp_path / f"log{node}",
+                ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node", "1"],
+            )
+            for node in (0, 1)
+        ]
+        results = [f.result() for f in futures]
+    for node, proc in enumerate(results):
+        assert proc.returncode == 0, explain(proc, tmp_path / f"log{node}")
+    logs = [worker_log(tmp_path / f"log{node}", 0) for node in (0, 1)]  # each node numbers its own logs
+    assert "rank 1 of world size 2 (local rank 0 of 1)" in logs[1]
+    assert param_digest(logs[0]) == param_digest(logs[1])
+    one = load_weights(one_and_two / "one" / "model.pdparams")
+    two = load_weights(tmp_path / "node0" / "model.pdparams")
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0, err_msg=name)
+    assert not (tmp_path / "node1").exists()  # only global rank 0 writes
