@@ -18,12 +18,6 @@ from .log import get_logger
 from .models import build_model, count_parameters
 from .outputs import RunFiles, output_dir_problem
 
-KEEP_CHECKPOINTS = 3
-
-
-class RunError(RuntimeError):
-    """A problem found after start-up that stops the run with a message."""
-
 
 def _agree_output_dir(cfg: Config, env: DistEnv) -> None:
     """Rank 0 judges --output-dir; every rank learns the verdict, so no worker waits on one that quit."""
@@ -85,6 +79,28 @@ def _restore(path, model, opt, sched, cfg: Config) -> tuple[int, int, int]:
     return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"])
 
 
+def _weights_finite(model) -> bool:
+    return all(bool(paddle.isfinite(p).all()) for p in model.parameters())
+
+
+def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr: float) -> dict:
+    return {
+        "epoch": epoch + 1,
+        "step": step,
+        "train_loss": stats.loss,
+        "train_acc": stats.acc,
+        "val_loss": val.loss,
+        "val_acc": val.acc,
+        "val_count": val.count,
+        "images_per_sec": stats.images_per_sec,
+        "epoch_time_s": stats.seconds,
+        "input_wait_share": stats.input_wait / stats.seconds if stats.seconds else 0.0,
+        "world_size": env.world_size,
+        "global_batch_size": cfg.batch_size,
+        "lr": lr,
+    }
+
+
 def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
     if env.device == "cpu":
@@ -111,7 +127,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     opt, sched = engine.make_optimizer(cfg, model, planned)
 
     start_epoch = skip = step = 0
-    ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume else []
+    ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume != "no" else []
     if ckpts:
         start_epoch, skip, step = _restore(ckpts[-1], model, opt, sched, cfg)
         log.info(f"resumed from {ckpts[-1]}: epoch {start_epoch + 1}, batch {skip}, step {step}")
@@ -120,46 +136,45 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     model = distributed.wrap(model, env)
 
     started = time.time()
+    val = None
     for epoch in range(start_epoch, cfg.epochs):
         if step >= last_step:
             break
         sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
-        stats = engine.train_one_epoch(
-            model, opt, sched, train, sampler, ds, cfg, env, log, epoch, last_step - step, skip
-        )
+
+        def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
+            every = cfg.save_every_steps
+            if files.enabled and every and at_step % every == 0 and batch < steps_per_epoch:
+                # never let diverged weights push a good checkpoint out; the next loss check stops every rank
+                if np.isfinite(float(loss_sum)) and _weights_finite(model):
+                    files.save_checkpoint(_checkpoint_state(model, opt, sched, cfg, epoch, batch, at_step))
+
+        plan = engine.EpochPlan(epoch, skip, step, last_step)
+        stats = engine.train_one_epoch(model, opt, sched, train, sampler, ds, cfg, env, log, plan, save_mid_epoch)
         step += stats.steps
         done = skip + stats.steps
         skip = 0
         val = engine.evaluate(model, test, ds, cfg, env)
-        row = {
-            "epoch": epoch + 1,
-            "step": step,
-            "train_loss": stats.loss,
-            "train_acc": stats.acc,
-            "val_loss": val.loss,
-            "val_acc": val.acc,
-            "val_count": val.count,
-            "images_per_sec": stats.images_per_sec,
-            "epoch_time_s": stats.seconds,
-            "input_wait_share": stats.input_wait / stats.seconds if stats.seconds else 0.0,
-            "world_size": env.world_size,
-            "global_batch_size": cfg.batch_size,
-            "lr": opt.get_lr(),
-        }
+        row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())
         log.info(
             f"epoch {epoch + 1}/{cfg.epochs} done: train loss {stats.loss:.4f} acc {stats.acc:.4f} | "
             f"val loss {val.loss:.4f} acc {val.acc:.4f} ({val.count} images) | "
             f"{stats.seconds:.1f}s, {stats.images_per_sec:.0f} img/s global, "
             f"input wait {100 * row['input_wait_share']:.1f}%"
         )
+        if not _weights_finite(model):  # identical weights on every rank: all stop here together
+            raise engine.Diverged(
+                f"the weights became NaN or infinite in epoch {epoch + 1} (by step {step}); lower --lr, and restart "
+                "or --resume from the last checkpoint (it was saved before this)"
+            )
         files.append_metrics(row)
         whole = done == steps_per_epoch
         state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
-        files.save_checkpoint(state, KEEP_CHECKPOINTS)
+        files.save_checkpoint(state)
 
     net = distributed.unwrap(model)
     files.save_weights(net)
-    final = engine.evaluate(model, test, ds, cfg, env)
+    final = val if val is not None else engine.evaluate(model, test, ds, cfg, env)  # last epoch's: same weights
     result = {
         "test_loss": final.loss,
         "test_acc": final.acc,
@@ -190,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     log = get_logger(env)
     try:
         run(cfg, env, log)
-    except (ConfigError, data.DataError, RunError) as e:
+    except (ConfigError, data.DataError, engine.Diverged) as e:
         log.error(f"error: {e}")
         return 2
     return 0

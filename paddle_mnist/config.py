@@ -35,8 +35,10 @@ class Config:
     train_limit: int = 0
     eval_limit: int = 0
     output_dir: str = "output"
-    resume: bool = False
+    resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (resume if one exists)
     overwrite: bool = False
+    save_every_steps: int = 0
+    keep_checkpoints: int = 3
     log_every: int = 50
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
 
@@ -113,9 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="use only the first N test images (0: all)",
     )
     p.add_argument("--output-dir", default=d.output_dir, help="where rank 0 writes metrics, checkpoints and weights")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --output-dir")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="yes",
+        default=d.resume,
+        choices=("no", "yes", "auto"),
+        help="--resume: continue from the last checkpoint in --output-dir (mid-epoch included); "
+        "--resume auto: continue if a checkpoint exists, else start afresh",
+    )
     p.add_argument(
         "--overwrite", action="store_true", help="start afresh even if --output-dir holds an earlier run's results"
+    )
+    p.add_argument(
+        "--save-every-steps",
+        type=_positive("--save-every-steps"),
+        default=d.save_every_steps,
+        help="also checkpoint every N optimizer steps inside an epoch (0: at epoch ends only)",
+    )
+    p.add_argument(
+        "--keep-checkpoints", type=_positive("--keep-checkpoints"), default=d.keep_checkpoints, help="checkpoints kept"
     )
     p.add_argument(
         "--log-every", type=_positive("--log-every"), default=d.log_every, help="steps between progress lines"
@@ -133,12 +152,14 @@ def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a Config; argparse exits with status 2 on malformed flags."""
     ns = build_parser().parse_args(argv)
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
-    if cfg.resume and cfg.overwrite:
+    if cfg.resume != "no" and cfg.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: pass one of them")
     if cfg.lr <= 0:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
     if cfg.epochs == 0:
         raise ConfigError("--epochs must be at least 1")
+    if cfg.keep_checkpoints == 0:
+        raise ConfigError("--keep-checkpoints must be at least 1: resuming needs the last checkpoint")
     return cfg
 
 

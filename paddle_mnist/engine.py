@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +31,18 @@ class EpochStats:
     @property
     def images_per_sec(self) -> float:
         return self.images / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    epoch: int  # 0-based
+    skip: int  # batches of this epoch trained before a mid-epoch checkpoint; passed over unread
+    first_step: int  # optimizer steps done before this call
+    last_step: int  # stop when the step count reaches this
+
+
+class Diverged(RuntimeError):
+    """The training loss stopped being a finite number."""
 
 
 @dataclass(frozen=True)
@@ -81,16 +95,16 @@ def train_one_epoch(
     cfg: Config,
     env: DistEnv,
     log: logging.Logger,
-    epoch: int,
-    step_limit: int,
-    skip: int = 0,
+    plan: EpochPlan,
+    on_step: Callable[[int, int, paddle.Tensor], None] | None = None,
 ) -> EpochStats:
-    """Train until the sampler is exhausted or step_limit steps are done; figures are summed over workers.
+    """Train until the sampler is exhausted or the last step is done; figures are summed over workers.
 
-    skip: batches of this epoch already trained before a mid-epoch checkpoint; they are passed over unread.
+    on_step(batch_in_epoch, step, loss_sum) runs after every optimizer step (used for mid-epoch checkpoints).
     """
     model.train()
-    total = min(len(sampler) - skip, step_limit)
+    epoch, skip = plan.epoch, plan.skip
+    total = min(len(sampler) - skip, plan.last_step - plan.first_step)
     bar = ProgressBar(env, total, f"epoch {epoch + 1}")
     loss_sum = paddle.zeros([], dtype="float32")
     correct = paddle.zeros([], dtype="int64")
@@ -112,7 +126,10 @@ def train_one_epoch(
         loss_sum += loss.detach() * len(labels)
         correct += (logits.argmax(axis=1) == y).astype("int64").sum()
         seen += len(labels)
+        if on_step is not None:
+            on_step(skip + steps, plan.first_step + steps, loss_sum)
         if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
+            check_finite(float(loss_sum), plan.first_step + steps, opt.get_lr(), env)
             elapsed = time.perf_counter() - start
             log.info(
                 f"epoch {epoch + 1} step {steps}/{total} loss {float(loss):.4f} lr {opt.get_lr():.5f} "
@@ -122,6 +139,7 @@ def train_one_epoch(
     batches.close()
     seconds = all_reduce_max(time.perf_counter() - start, env)
     totals = all_reduce_sum([float(loss_sum), float(correct), seen], env)
+    check_finite(totals[0], plan.first_step + steps, opt.get_lr(), env)
     images = int(totals[2])
     return EpochStats(
         loss=totals[0] / max(images, 1),
@@ -131,6 +149,17 @@ def train_one_epoch(
         seconds=seconds,
         input_wait=wait,
     )
+
+
+def check_finite(loss_sum: float, step: int, lr: float, env: DistEnv) -> None:
+    """Stop every worker together once any worker's loss is NaN or infinite (an all-reduce, so none is left waiting)."""
+    bad = all_reduce_sum([0.0 if math.isfinite(loss_sum) else 1.0], env)[0]
+    if bad:
+        raise Diverged(
+            f"the training loss became NaN or infinite by step {step} (learning rate {lr:.4g}); the likely cause is "
+            "a learning rate too high for this batch size: lower --lr, and restart or --resume from the last "
+            "checkpoint (it was saved before the loss diverged)"
+        )
 
 
 @paddle.no_grad()

@@ -28,9 +28,10 @@ def output_dir_problem(cfg: Config) -> str | None:
     if out.exists() and not out.is_dir():
         return f"--output-dir {out} is a file; pass a folder"
     existing = [name for name in RESULT_FILES if (out / name).exists()]
-    if cfg.resume:
-        if not checkpoint.list_checkpoints(out):
-            return f"--resume: no checkpoint in {out / checkpoint.CKPT_DIR}; drop --resume to start afresh"
+    has_checkpoint = bool(checkpoint.list_checkpoints(out))
+    if cfg.resume == "yes" and not has_checkpoint:
+        return f"--resume: no checkpoint in {out / checkpoint.CKPT_DIR}; drop --resume to start afresh"
+    if cfg.resume != "no" and has_checkpoint:
         return None
     if existing and not cfg.overwrite:
         return (
@@ -76,11 +77,11 @@ class RunFiles:
             f.write(json.dumps(row) + "\n")
         plot_curves(self.out / "metrics.jsonl", self.out / "curves.png")
 
-    def save_checkpoint(self, state: dict, keep: int) -> None:
+    def save_checkpoint(self, state: dict) -> None:
         if not self.enabled:
             return
         checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.out, state["step"]))
-        checkpoint.prune(self.out, keep)
+        checkpoint.prune(self.out, self.cfg.keep_checkpoints)
 
     def save_weights(self, model: paddle.nn.Layer) -> None:
         if self.enabled:

@@ -51,7 +51,7 @@ def make_dataset(folder: Path, n_train: int = 512, n_test: int = 201, compress: 
     return folder
 
 
-def _env() -> dict:
+def launch_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("OMP_NUM_THREADS", None)
@@ -60,7 +60,7 @@ def _env() -> dict:
 
 def run_single(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(TRAIN_PY), *args]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def run_launch(
@@ -70,7 +70,7 @@ def run_launch(
     launch_args = ["--nproc_per_node", "2"] if launch_args is None else launch_args
     cmd = [sys.executable, "-m", "paddle.distributed.launch", *launch_args, "--log_dir", str(log_dir)]
     cmd += [str(TRAIN_PY), *args]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def worker_log(log_dir: Path, rank: int) -> str:

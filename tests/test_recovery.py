@@ -1,0 +1,115 @@
+"""Checkpoints that survive failures: mid-epoch saves, a killed worker, --resume auto, a diverging loss."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import paddle
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
+
+ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
+ARGS += ["--batch-size", "64", "--epochs", "2"]
+
+
+def weights(path: Path) -> dict:
+    return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
+
+
+def steps_of(out: Path) -> list[int]:
+    return sorted(int(p.stem.split("_")[1]) for p in (out / "checkpoints").glob("step_*.pdckpt"))
+
+
+def worker_pids(marker: str) -> dict[int, int]:
+    """rank -> pid of the trainer processes whose command line contains marker."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+            env = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in cmd and str(TRAIN_PY) in cmd and "paddle.distributed.launch" not in cmd:
+            for var in env:
+                if var.startswith("PADDLE_TRAINER_ID="):
+                    found[int(var.split("=", 1)[1])] = int(entry.name)
+    return found
+
+
+def test_killed_worker_then_resume_auto_equals_uninterrupted(tmp_path):
+    data_dir = make_dataset(tmp_path / "mnist", n_train=2048, n_test=100)
+    args = [*ARGS, "--data-dir", str(data_dir), "--save-every-steps", "5"]
+    full = run_launch([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path, log_dir=tmp_path / "l0")
+    assert full.returncode == 0, explain(full, tmp_path / "l0")
+
+    out = tmp_path / "killed"
+    cmd = [
+        sys.executable,
+        "-m",
+        "paddle.distributed.launch",
+        "--nproc_per_node",
+        "2",
+        "--log_dir",
+        str(tmp_path / "l1"),
+    ]
+    cmd += [str(TRAIN_PY), *args, "--output-dir", str(out)]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        # wait for a mid-epoch checkpoint of the second epoch (32 steps per epoch), then kill rank 1 outright
+        while not [s for s in steps_of(out) if s > 32]:
+            assert time.time() < deadline, "no checkpoint from the second epoch within 120 s"
+            assert job.poll() is None, "the job ended before it could be killed"
+            time.sleep(0.05)
+        pids = worker_pids(str(out))
+        assert 1 in pids, pids
+        os.kill(pids[1], signal.SIGKILL)
+        assert job.wait(timeout=120) != 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    killed_at = steps_of(out)[-1]
+    assert 32 < killed_at < 64 and not (out / "model.pdparams").exists()
+
+    again = run_launch([*args, "--output-dir", str(out), "--resume", "auto"], cwd=tmp_path, log_dir=tmp_path / "l2")
+    assert again.returncode == 0, explain(again, tmp_path / "l2")
+    assert f"step {killed_at}" in worker_log(tmp_path / "l2", 0)
+    a, b = weights(tmp_path / "full" / "model.pdparams"), weights(out / "model.pdparams")
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    assert len(steps_of(out)) == 3  # --keep-checkpoints 3
+
+
+def test_resume_auto_starts_fresh_when_there_is_no_checkpoint(tmp_path):
+    data_dir = make_dataset(tmp_path / "mnist", n_train=512, n_test=100)
+    args = [*ARGS, "--train-limit", "512", "--epochs", "1", "--data-dir", str(data_dir), "--resume", "auto"]
+    proc = run_launch([*args, "--output-dir", str(tmp_path / "o")], cwd=tmp_path, log_dir=tmp_path / "log")
+    assert proc.returncode == 0, explain(proc, tmp_path / "log")
+    assert "resumed from" not in worker_log(tmp_path / "log", 0)
+    assert (tmp_path / "o" / "model.pdparams").is_file()
+
+
+def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
+    data_dir = make_dataset(tmp_path / "mnist", n_train=512, n_test=100)
+    out = tmp_path / "o"
+    args = [*ARGS, "--train-limit", "512", "--data-dir", str(data_dir), "--output-dir", str(out)]
+    bad = run_launch(
+        [*args, "--lr", "1e20", "--log-every", "2", "--save-every-steps", "1"], cwd=tmp_path, log_dir=tmp_path / "log"
+    )
+    assert bad.returncode != 0
+    for rank in (0, 1):
+        text = worker_log(tmp_path / "log", rank)
+        assert re.search(r"the (training loss|weights) became NaN or infinite .*by step \d+", text), text[-2000:]
+        assert "lower --lr" in text
+    assert not (out / "model.pdparams").exists()
+    for path in (out / "checkpoints").glob("*.pdckpt"):
+        state = paddle.load(str(path))
+        assert all(np.isfinite(v.numpy()).all() for v in state["model"].values()), path.name
