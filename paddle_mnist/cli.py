@@ -194,18 +194,25 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     return result
 
 
+def _where_to_look() -> str:
+    log_dir = os.environ.get("PADDLE_LOG_DIR")  # set by paddle.distributed.launch
+    return f"; all workers' status: python -m paddle_mnist.logs {log_dir}" if log_dir else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
         env = distributed.setup()
-        cfg = resolve_for_world(cfg, env.world_size)
     except (ConfigError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     log = get_logger(env)
     try:
-        run(cfg, env, log)
+        run(resolve_for_world(cfg, env.world_size), env, log)
     except (ConfigError, data.DataError, engine.Diverged) as e:
         log.error(f"error: {e}")
         return 2
+    except Exception:
+        log.exception(f"error: the run failed{_where_to_look()}")
+        return 1
     return 0

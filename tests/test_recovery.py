@@ -14,6 +14,8 @@ import numpy as np
 import paddle
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
 
+from paddle_mnist.logs import summarise
+
 ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 ARGS += ["--batch-size", "64", "--epochs", "2"]
 
@@ -76,6 +78,8 @@ def test_killed_worker_then_resume_auto_equals_uninterrupted(tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
+    summary = summarise(tmp_path / "l1")
+    assert "first to stop: rank 1" in summary and "ended without an error message" in summary, summary
     killed_at = steps_of(out)[-1]
     assert 32 < killed_at < 64 and not (out / "model.pdparams").exists()
 
@@ -110,6 +114,8 @@ def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
         assert re.search(r"the (training loss|weights) became NaN or infinite .*by step \d+", text), text[-2000:]
         assert "lower --lr" in text
     assert not (out / "model.pdparams").exists()
+    summary = summarise(tmp_path / "log")
+    assert "rank 0   error" in summary and "the training loss became NaN" in summary, summary
     for path in (out / "checkpoints").glob("*.pdckpt"):
         state = paddle.load(str(path))
         assert all(np.isfinite(v.numpy()).all() for v in state["model"].values()), path.name
