@@ -36,7 +36,8 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
     )
     log.info(
         f"batch: {cfg.batch_size // env.world_size} per worker, {cfg.batch_size} global; "
-        f"lr {cfg.lr} ({cfg.lr_schedule}), momentum {cfg.momentum}, epochs {cfg.epochs}"
+        f"lr {cfg.lr} ({cfg.lr_schedule}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
+        f"epochs {cfg.epochs}"
     )
     log.info(
         f"dataset {ds.name}: train {train_n} of {len(ds.train)}, validation/test {test_n} of {len(ds.test)} "

@@ -30,7 +30,7 @@ class Config:
     lr: float = 0.05
     lr_schedule: str = "poly"
     momentum: float = 0.9
-    weight_decay: float = 0.0
+    weight_decay: float = 5e-4
     seed: int = 42
     train_limit: int = 0
     eval_limit: int = 0
