@@ -46,7 +46,7 @@ class Config:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-def _positive(name: str):
+def _non_negative(name: str):
     def parse(text: str) -> int:
         value = int(text)
         if value < 0:
@@ -54,6 +54,12 @@ def _positive(name: str):
         return value
 
     return parse
+
+
+def _add_count(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    """A whole-number flag whose default is the Config field of the same name."""
+    field = flag[2:].replace("-", "_")
+    p.add_argument(flag, type=_non_negative(flag), default=getattr(Config(), field), help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,28 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir",
         default=d.data_dir,
-        help="folder holding the dataset's files (default: data/<dataset> beside train.py)",
+        help="folder holding the dataset's files (None: data/<dataset> in this repository)",
     )
     p.add_argument("--model", default=d.model, choices=MODELS, help="network to train")
-    p.add_argument("--epochs", type=_positive("--epochs"), default=d.epochs, help="passes over the training split")
-    p.add_argument(
+    _add_count(p, "--epochs", "passes over the training split")
+    _add_count(
+        p,
         "--max-steps",
-        type=_positive("--max-steps"),
-        default=d.max_steps,
-        help="stop after this many optimizer steps in all (0: no limit)",
+        "stop after this many optimizer steps in all; the schedule stays planned over --epochs (0: no limit)",
     )
-    p.add_argument(
+    _add_count(
+        p,
         "--batch-size",
-        type=_positive("--batch-size"),
-        default=d.batch_size,
-        help=f"global batch of one optimizer step, split evenly across workers (0: {PER_WORKER_BATCH} x workers)",
+        f"global batch of one optimizer step, split evenly across workers (0: {PER_WORKER_BATCH} x workers)",
     )
-    p.add_argument(
-        "--eval-batch-size",
-        type=_positive("--eval-batch-size"),
-        default=d.eval_batch_size,
-        help="per-worker eval batch",
-    )
+    _add_count(p, "--eval-batch-size", "per-worker eval batch")
     p.add_argument("--lr", type=float, default=d.lr, help="base learning rate")
     p.add_argument(
         "--lr-schedule",
@@ -102,18 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
-    p.add_argument(
-        "--train-limit",
-        type=_positive("--train-limit"),
-        default=d.train_limit,
-        help="use only the first N training images (0: all)",
-    )
-    p.add_argument(
-        "--eval-limit",
-        type=_positive("--eval-limit"),
-        default=d.eval_limit,
-        help="use only the first N test images (0: all)",
-    )
+    _add_count(p, "--train-limit", "use only the first N training images (0: all)")
+    _add_count(p, "--eval-limit", "use only the first N test images (0: all)")
     p.add_argument("--output-dir", default=d.output_dir, help="where rank 0 writes metrics, checkpoints and weights")
     p.add_argument(
         "--resume",
@@ -127,24 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--overwrite", action="store_true", help="start afresh even if --output-dir holds an earlier run's results"
     )
-    p.add_argument(
-        "--save-every-steps",
-        type=_positive("--save-every-steps"),
-        default=d.save_every_steps,
-        help="also checkpoint every N optimizer steps inside an epoch (0: at epoch ends only)",
+    _add_count(
+        p, "--save-every-steps", "also checkpoint every N optimizer steps inside an epoch (0: at epoch ends only)"
     )
-    p.add_argument(
-        "--keep-checkpoints", type=_positive("--keep-checkpoints"), default=d.keep_checkpoints, help="checkpoints kept"
-    )
-    p.add_argument(
-        "--log-every", type=_positive("--log-every"), default=d.log_every, help="steps between progress lines"
-    )
-    p.add_argument(
-        "--cpu-threads",
-        type=_positive("--cpu-threads"),
-        default=d.cpu_threads,
-        help="CPU math threads per worker (0: cores / workers on this node)",
-    )
+    _add_count(p, "--keep-checkpoints", "checkpoints kept")
+    _add_count(p, "--log-every", "steps between progress lines")
+    _add_count(p, "--cpu-threads", "CPU math threads per worker (0: cores / workers on this node)")
     return p
 
 
