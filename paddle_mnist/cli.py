@@ -14,9 +14,10 @@ import paddle
 from . import checkpoint, data, distributed, engine
 from .config import Config, ConfigError, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
-from .log import get_logger
+from .log import get_logger, memory_mb
 from .models import build_model, count_parameters
 from .outputs import RunFiles, output_dir_problem
+from .watchdog import Watchdog
 
 
 def _agree_output_dir(cfg: Config, env: DistEnv) -> None:
@@ -84,6 +85,15 @@ def _weights_finite(model) -> bool:
     return all(bool(paddle.isfinite(p).all()) for p in model.parameters())
 
 
+def _check_weights(model, epoch: int, step: int) -> None:
+    """Identical weights on every rank, so every rank stops here together."""
+    if not _weights_finite(model):
+        raise engine.Diverged(
+            f"the weights became NaN or infinite in epoch {epoch + 1} (by step {step}); lower --lr, and restart "
+            "or --resume from the last checkpoint (it was saved before this)"
+        )
+
+
 def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr: float) -> dict:
     return {
         "epoch": epoch + 1,
@@ -99,6 +109,7 @@ def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr:
         "world_size": env.world_size,
         "global_batch_size": cfg.batch_size,
         "lr": lr,
+        "rss_mb": memory_mb()[0],
     }
 
 
@@ -138,40 +149,40 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
 
     started = time.time()
     val = None
-    for epoch in range(start_epoch, cfg.epochs):
-        if step >= last_step:
-            break
-        sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
+    dog = Watchdog(env, cfg.collective_timeout, log)
+    with dog:
+        for epoch in range(start_epoch, cfg.epochs):
+            if step >= last_step:
+                break
+            sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
 
-        def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
-            every = cfg.save_every_steps
-            if files.enabled and every and at_step % every == 0 and batch < steps_per_epoch:
-                # never let diverged weights push a good checkpoint out; the next loss check stops every rank
-                if np.isfinite(float(loss_sum)) and _weights_finite(model):
-                    files.save_checkpoint(_checkpoint_state(model, opt, sched, cfg, epoch, batch, at_step))
+            def after_step(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
+                dog.progress(at_step)
+                every = cfg.save_every_steps
+                if files.enabled and every and at_step % every == 0 and batch < steps_per_epoch:
+                    # never let diverged weights push a good checkpoint out; the next loss check stops every rank
+                    if np.isfinite(float(loss_sum)) and _weights_finite(model):
+                        files.save_checkpoint(_checkpoint_state(model, opt, sched, cfg, epoch, batch, at_step))
 
-        plan = engine.EpochPlan(epoch, skip, step, last_step)
-        stats = engine.train_one_epoch(model, opt, sched, train, sampler, ds, cfg, env, log, plan, save_mid_epoch)
-        step += stats.steps
-        done = skip + stats.steps
-        skip = 0
-        val = engine.evaluate(model, test, ds, cfg, env)
-        row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())
-        log.info(
-            f"epoch {epoch + 1}/{cfg.epochs} done: train loss {stats.loss:.4f} acc {stats.acc:.4f} | "
-            f"val loss {val.loss:.4f} acc {val.acc:.4f} ({val.count} images) | "
-            f"{stats.seconds:.1f}s, {stats.images_per_sec:.0f} img/s global, "
-            f"input wait {100 * row['input_wait_share']:.1f}%"
-        )
-        if not _weights_finite(model):  # identical weights on every rank: all stop here together
-            raise engine.Diverged(
-                f"the weights became NaN or infinite in epoch {epoch + 1} (by step {step}); lower --lr, and restart "
-                "or --resume from the last checkpoint (it was saved before this)"
+            plan = engine.EpochPlan(epoch, skip, step, last_step)
+            stats = engine.train_one_epoch(model, opt, sched, train, sampler, ds, cfg, env, log, plan, after_step)
+            step += stats.steps
+            done = skip + stats.steps
+            skip = 0
+            val = engine.evaluate(model, test, ds, cfg, env)
+            dog.progress(step)
+            row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())
+            log.info(
+                f"epoch {epoch + 1}/{cfg.epochs} done: train loss {stats.loss:.4f} acc {stats.acc:.4f} | "
+                f"val loss {val.loss:.4f} acc {val.acc:.4f} ({val.count} images) | "
+                f"{stats.seconds:.1f}s, {stats.images_per_sec:.0f} img/s global, "
+                f"input wait {100 * row['input_wait_share']:.1f}%, memory {memory_mb()[0]:.0f} MiB"
             )
-        files.append_metrics(row)
-        whole = done == steps_per_epoch
-        state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
-        files.save_checkpoint(state)
+            _check_weights(model, epoch, step)
+            files.append_metrics(row)
+            whole = done == steps_per_epoch
+            state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
+            files.save_checkpoint(state)
 
     net = distributed.unwrap(model)
     files.save_weights(net)

@@ -40,6 +40,7 @@ class Config:
     save_every_steps: int = 0
     keep_checkpoints: int = 3
     log_every: int = 50
+    collective_timeout: float = 300.0
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
 
     def to_json(self) -> str:
@@ -121,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_count(p, "--keep-checkpoints", "checkpoints kept")
     _add_count(p, "--log-every", "steps between progress lines")
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=d.collective_timeout,
+        help="seconds without progress before waiting workers exit, naming the one that stalled (0: wait forever)",
+    )
     _add_count(p, "--cpu-threads", "CPU math threads per worker (0: cores / workers on this node)")
     return p
 

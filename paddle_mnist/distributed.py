@@ -126,6 +126,11 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     return float(t.numpy()[0])
 
 
+def job_store():
+    """The job-wide TCP key-value store that init_parallel_env() set up (counters via add())."""
+    return paddle.base.core.create_or_get_global_tcp_store()
+
+
 def barrier(env: DistEnv) -> None:
     if env.world_size > 1:
         dist.barrier()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import resource
 import sys
 
 from .distributed import DistEnv
@@ -35,3 +37,14 @@ class ProgressBar:
         if done == self.total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
+
+def memory_mb() -> tuple[float, float]:
+    """(current, peak) resident memory of this process in MiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:  # not Linux: only the peak is known
+        current = float("nan")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return current, peak

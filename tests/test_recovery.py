@@ -119,3 +119,36 @@ def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
     for path in (out / "checkpoints").glob("*.pdckpt"):
         state = paddle.load(str(path))
         assert all(np.isfinite(v.numpy()).all() for v in state["model"].values()), path.name
+
+
+def test_stopped_worker_ends_the_job_within_the_timeout(tmp_path):
+    """SIGSTOP one worker: the other must not wait forever, and must name the rank that went quiet."""
+    data_dir = make_dataset(tmp_path / "mnist", n_train=2048, n_test=100)
+    out = tmp_path / "o"
+    args = [*ARGS, "--epochs", "20", "--data-dir", str(data_dir), "--output-dir", str(out)]
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "l")]
+    cmd += [str(TRAIN_PY), *args, "--collective-timeout", "10"]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    stopped = None
+    try:
+        deadline = time.time() + 120
+        log1 = tmp_path / "l" / "workerlog.1"
+        while not (log1.exists() and "epoch 1 step 16/32" in log1.read_text()):
+            assert time.time() < deadline and job.poll() is None, "training did not start"
+            time.sleep(0.05)
+        stopped = worker_pids(str(out))[1]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.time()
+        code = job.wait(timeout=90)
+        elapsed = time.time() - t0
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGKILL)
+        if job.poll() is None:
+            job.kill()
+    assert code != 0
+    assert elapsed < 10 + 30, f"the job took {elapsed:.0f} s to end"
+    text = worker_log(tmp_path / "l", 0)
+    assert re.search(
+        r"no progress for 10 s \(--collective-timeout\) at step \d+: rank 1 \(last at step \d+\) stopped", text
+    ), text[-2000:]
