@@ -3,7 +3,7 @@
 Each worker runs a thread that bumps a heartbeat counter in Paddle's job-wide TCP store every second and
 publishes its step. Paddle releases the GIL inside collectives, so the thread keeps running while the
 main thread waits in an all-reduce for a worker that was stopped (SIGSTOP), hung or cut off. When the
-main thread has made no progress for --collective-timeout seconds, the thread reads every rank's
+main thread has made no progress for --collective-timeout seconds, a second thread reads every rank's
 heartbeat twice, names the ranks whose heartbeat stood still, logs one error line and exits the process,
 so the launcher ends the job instead of waiting forever.
 """
@@ -29,21 +29,23 @@ class Watchdog:
         self._published = 0
         self._last = time.monotonic()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._store = None
 
     def __enter__(self) -> Watchdog:
         if self.env.world_size > 1 and self.timeout > 0:
             self._store = job_store()
             self._last = time.monotonic()
-            self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
-            self._thread.start()
+            for target in (self._heartbeat, self._judge):
+                thread = threading.Thread(target=target, name=f"watchdog{target.__name__}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def progress(self, step: int) -> None:
         """Called by the training loop whenever it gets past a point all workers must reach."""
@@ -53,33 +55,50 @@ class Watchdog:
     def _key(self, what: str, rank: int) -> str:
         return f"{PREFIX}/{what}/{rank}"
 
-    def _beats(self) -> list[int]:
-        return [self._store.add(self._key("beat", r), 0) for r in range(self.env.world_size)]
+    def _heartbeat(self) -> None:
+        """Beat once an interval and publish the step (the store holds counters: add the difference)."""
+        try:
+            while not self._stop.wait(self.interval):
+                self._store.add(self._key("beat", self.env.rank), 1)
+                step = self.step
+                if step != self._published:
+                    self._store.add(self._key("step", self.env.rank), step - self._published)
+                    self._published = step
+        except Exception as e:  # the store lives in rank 0's process: it is gone, and so is the job
+            self._exit(f"the job's key-value store stopped answering ({e}); rank 0 has probably exited")
 
-    def _run(self) -> None:
+    def _judge(self) -> None:
+        """Separate from the heartbeat, so a store that hangs (rank 0 stopped) cannot hang the verdict too."""
         while not self._stop.wait(self.interval):
-            self._store.add(self._key("beat", self.env.rank), 1)
-            step = self.step
-            if step != self._published:  # the store holds counters: publish the step as a difference
-                self._store.add(self._key("step", self.env.rank), step - self._published)
-                self._published = step
             if time.monotonic() - self._last > self.timeout:
-                self._give_up()
+                found: list[str] = []
+                asking = threading.Thread(target=self._who_is_quiet, args=(found,), daemon=True)
+                asking.start()
+                asking.join(10 * self.interval)
+                cause = found[0] if found else "rank 0, which hosts the job's key-value store, stopped answering"
+                self._exit(f"no progress for {self.timeout:.0f} s (--collective-timeout) at step {self.step}: {cause}")
 
-    def _give_up(self) -> None:
-        before = self._beats()
+    def _who_is_quiet(self, found: list[str]) -> None:
+        """Append the verdict to found: which ranks' heartbeats stood still over three intervals."""
+
+        def beats() -> list[int]:
+            return [self._store.add(self._key("beat", r), 0) for r in range(self.env.world_size)]
+
+        before = beats()
         time.sleep(3 * self.interval)
-        after = self._beats()
+        after = beats()
         quiet = [r for r in range(self.env.world_size) if after[r] == before[r] and r != self.env.rank]
+        if not quiet:
+            found.append("every rank is alive but the job is stuck in a collective")
+            return
         steps = {r: self._store.add(self._key("step", r), 0) for r in quiet}
-        if quiet:
-            who = ", ".join(f"rank {r} (last at step {steps[r]})" for r in quiet)
-            cause = f"{who} stopped responding (stopped, hung or cut off)"
-        else:
-            cause = "every rank is alive but the job is stuck in a collective"
+        who = ", ".join(f"rank {r} (last seen at step {steps[r]})" for r in quiet)
+        found.append(f"{who} stopped responding (stopped, hung or cut off)")
+
+    def _exit(self, why: str) -> None:
         self.log.error(
-            f"error: no progress for {self.timeout:.0f} s (--collective-timeout) at step {self.step}: {cause}; "
-            "ending this worker. Rerun the same command with --resume auto to continue from the last checkpoint"
+            f"error: {why}; ending this worker. Rerun the same command with --resume auto to continue from "
+            "the last checkpoint"
         )
         for handler in self.log.handlers:
             handler.flush()
