@@ -1,0 +1,92 @@
+"""Automatic restart by Paddle's elastic launcher (etcd master): a killed worker comes back and resumes.
+
+Needs Debian's etcd-server and the etcd3 client with protobuf 3.20 (.ci/requirements-elastic.txt), so it
+is marked `elastic` and left out of the default run; CI runs it in its own environment:
+    python -m pytest -m elastic tests/test_elastic.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
+from test_recovery import ARGS, steps_of, weights, worker_pids
+
+pytestmark = pytest.mark.elastic
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    binary = shutil.which("etcd")
+    assert binary, "etcd not found: apt-get install etcd-server"
+    client, peer = free_port(), free_port()
+    cmd = [binary, "--data-dir", str(tmp_path / "etcd"), "--name", "test"]
+    cmd += [
+        "--listen-client-urls",
+        f"http://127.0.0.1:{client}",
+        "--advertise-client-urls",
+        f"http://127.0.0.1:{client}",
+    ]
+    cmd += [
+        "--listen-peer-urls",
+        f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls",
+        f"http://127.0.0.1:{peer}",
+    ]
+    cmd += ["--initial-cluster", f"test=http://127.0.0.1:{peer}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 30
+    while True:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", client), timeout=1):
+            break
+        assert time.time() < deadline and proc.poll() is None, "etcd did not start"
+        time.sleep(0.2)
+    yield f"127.0.0.1:{client}"
+    proc.kill()
+    proc.wait()
+
+
+def test_killed_worker_is_restarted_and_resumes_without_a_human(etcd, tmp_path):
+    data_dir = make_dataset(tmp_path / "mnist", n_train=2048, n_test=100)
+    args = [*ARGS, "--data-dir", str(data_dir), "--save-every-steps", "5", "--resume", "auto"]
+    full = run_launch([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path, log_dir=tmp_path / "l0")
+    assert full.returncode == 0, explain(full, tmp_path / "l0")
+
+    out = tmp_path / "elastic"
+    launch = [sys.executable, "-m", "paddle.distributed.launch", "--master", f"etcd://{etcd}", "--job_id", "t"]
+    launch += ["--nnodes", "1", "--nproc_per_node", "2", "--elastic_level", "1", "--max_restart", "3"]
+    launch += ["--log_dir", str(tmp_path / "l1"), str(TRAIN_PY), *args, "--output-dir", str(out)]
+    env = dict(launch_env(), GRPC_ENABLE_FORK_SUPPORT="false")  # grpcio's fork handlers crash workers
+    job = subprocess.Popen(launch, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not [s for s in steps_of(out) if s > 32]:
+            assert time.time() < deadline, "no checkpoint from the second epoch within 120 s"
+            assert job.poll() is None, "the job ended before it could be killed"
+            time.sleep(0.05)
+        os.kill(worker_pids(str(out))[1], signal.SIGKILL)
+        launcher_output, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, launcher_output[-4000:]
+    assert launcher_output.count("Run Pod") >= 2, launcher_output[-4000:]  # started, then restarted
+    assert "resumed from" in worker_log(tmp_path / "l1", 0)
+    a, b = weights(tmp_path / "full" / "model.pdparams"), weights(out / "model.pdparams")
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
