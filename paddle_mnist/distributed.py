@@ -67,6 +67,17 @@ def check_gpu_request() -> None:
     )
 
 
+def gpu_shortfall(local_workers: int, visible_gpus: int) -> str | None:
+    """Why this node cannot give each local worker its own GPU, or None when it can."""
+    if local_workers <= visible_gpus:
+        return None
+    return (
+        f"{local_workers} workers were started on this node but only {visible_gpus} GPU(s) are visible; "
+        f"start at most {visible_gpus} (--gpus {','.join(map(str, range(max(visible_gpus, 1))))}) "
+        "or check CUDA_VISIBLE_DEVICES"
+    )
+
+
 def _env_int(*names: str, default: int) -> int:
     for name in names:
         value = os.environ.get(name, "")
@@ -76,26 +87,25 @@ def _env_int(*names: str, default: int) -> int:
 
 
 def setup() -> DistEnv:
-    """Join the process group (when launched with more than one worker) and pick the device."""
+    """Check the launch, join the process group (for more than one worker) and pick the device."""
     check_gpu_request()
     world = _env_int("PADDLE_TRAINERS_NUM", "PADDLE_GLOBAL_SIZE", default=1)
-    use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    if world > 1:
-        dist.init_parallel_env()
-    rank = dist.get_rank() if world > 1 else 0
-    world = dist.get_world_size() if world > 1 else 1
-    penv = dist.ParallelEnv()
     # ParallelEnv().local_rank is the global rank; the launchers export the rank within the node
     local_rank = _env_int("PADDLE_LOCAL_RANK", "PADDLE_RANK_IN_NODE", default=0)
-    local_size = _env_int("PADDLE_LOCAL_SIZE", default=len(os.environ.get("PADDLE_TRAINER_ENDPOINTS", "x").split(",")))
-    local_size = min(local_size, world)
-    # the launcher sets FLAGS_selected_gpus per worker; ParallelEnv reads it back
-    device = f"gpu:{penv.device_id}" if use_gpu else "cpu"
-    paddle.set_device(device)
-    if world == 1:
-        backend = "none"
+    endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "x").split(",")
+    local_size = min(_env_int("PADDLE_LOCAL_SIZE", default=len(endpoints)), world)
+    use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if use_gpu and (problem := gpu_shortfall(local_size, paddle.device.cuda.device_count())):
+        raise LaunchError(problem)
+    if world > 1:
+        dist.init_parallel_env()
+        rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        backend = os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if use_gpu else "gloo")
+        rank = 0
+    # the launcher sets FLAGS_selected_gpus for each worker; ParallelEnv reads it back
+    device = f"gpu:{dist.ParallelEnv().device_id}" if use_gpu else "cpu"
+    paddle.set_device(device)
+    backend = "none" if world == 1 else os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if use_gpu else "gloo")
     return DistEnv(rank, world, local_rank, local_size, backend, device)
 
 

@@ -8,9 +8,7 @@ is marked `elastic` and left out of the default run; CI runs it in its own envir
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +17,7 @@ import time
 import numpy as np
 import pytest
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
-from test_recovery import ARGS, steps_of, weights, worker_pids
+from test_recovery import ARGS, kill_rank_1_in_epoch_2, weights
 
 pytestmark = pytest.mark.elastic
 
@@ -74,12 +72,7 @@ def test_killed_worker_is_restarted_and_resumes_without_a_human(etcd, tmp_path):
     env = dict(launch_env(), GRPC_ENABLE_FORK_SUPPORT="false")  # grpcio's fork handlers crash workers
     job = subprocess.Popen(launch, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 120
-        while not [s for s in steps_of(out) if s > 32]:
-            assert time.time() < deadline, "no checkpoint from the second epoch within 120 s"
-            assert job.poll() is None, "the job ended before it could be killed"
-            time.sleep(0.05)
-        os.kill(worker_pids(str(out))[1], signal.SIGKILL)
+        kill_rank_1_in_epoch_2(job, out)
         launcher_output, _ = job.communicate(timeout=240)
     finally:
         if job.poll() is None:

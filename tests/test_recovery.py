@@ -47,6 +47,18 @@ def worker_pids(marker: str) -> dict[int, int]:
     return found
 
 
+def kill_rank_1_in_epoch_2(job: subprocess.Popen, out: Path) -> None:
+    """Wait for a mid-epoch checkpoint of the second epoch (32 steps an epoch), then SIGKILL rank 1."""
+    deadline = time.time() + 120
+    while not [s for s in steps_of(out) if s > 32]:
+        assert time.time() < deadline, "no checkpoint from the second epoch within 120 s"
+        assert job.poll() is None, "the job ended before it could be killed"
+        time.sleep(0.05)
+    pids = worker_pids(str(out))
+    assert 1 in pids, pids
+    os.kill(pids[1], signal.SIGKILL)
+
+
 def test_killed_worker_then_resume_auto_equals_uninterrupted(tmp_path):
     data_dir = make_dataset(tmp_path / "mnist", n_train=2048, n_test=100)
     args = [*ARGS, "--data-dir", str(data_dir), "--save-every-steps", "5"]
@@ -66,15 +78,7 @@ def test_killed_worker_then_resume_auto_equals_uninterrupted(tmp_path):
     cmd += [str(TRAIN_PY), *args, "--output-dir", str(out)]
     job = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 120
-        # wait for a mid-epoch checkpoint of the second epoch (32 steps per epoch), then kill rank 1 outright
-        while not [s for s in steps_of(out) if s > 32]:
-            assert time.time() < deadline, "no checkpoint from the second epoch within 120 s"
-            assert job.poll() is None, "the job ended before it could be killed"
-            time.sleep(0.05)
-        pids = worker_pids(str(out))
-        assert 1 in pids, pids
-        os.kill(pids[1], signal.SIGKILL)
+        kill_rank_1_in_epoch_2(job, out)
         assert job.wait(timeout=120) != 0
     finally:
         if job.poll() is None:

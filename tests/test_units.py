@@ -144,3 +144,13 @@ def test_prefetch_passes_errors_through():
     assert next(it) == 1
     with pytest.raises(data.DataError, match="bad batch"):
         next(it)
+
+
+def test_more_workers_than_gpus_is_refused_with_the_fix():
+    """The GPU check's logic; the GPU path itself cannot run on these CPU-only machines."""
+    from paddle_mnist.distributed import gpu_shortfall
+
+    assert gpu_shortfall(4, 4) is None and gpu_shortfall(2, 8) is None
+    message = gpu_shortfall(4, 2)
+    assert "4 workers were started on this node but only 2 GPU(s) are visible" in message
+    assert "--gpus 0,1" in message
