@@ -186,6 +186,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
 
     net = distributed.unwrap(model)
     files.save_weights(net)
+    files.finish()
     final = val if val is not None else engine.evaluate(model, test, ds, cfg, env)  # last epoch's: same weights
     result = {
         "test_loss": final.loss,
@@ -206,9 +207,10 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     return result
 
 
-def _where_to_look() -> str:
+def _point_to_summary(log: logging.Logger) -> None:
     log_dir = os.environ.get("PADDLE_LOG_DIR")  # set by paddle.distributed.launch
-    return f"; all workers' status: python -m paddle_mnist.logs {log_dir}" if log_dir else ""
+    if log_dir:
+        log.info(f"every worker's status and the first failure: python -m paddle_mnist.logs {log_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         run(resolve_for_world(cfg, env.world_size), env, log)
     except (ConfigError, data.DataError, engine.Diverged) as e:
         log.error(f"error: {e}")
+        _point_to_summary(log)
         return 2
     except Exception:
-        log.exception(f"error: the run failed{_where_to_look()}")
+        log.exception("error: the run failed")
+        _point_to_summary(log)
         return 1
     return 0

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import paddle
 
-from . import checkpoint
+from . import checkpoint, plots
 from .config import Config
 from .distributed import DistEnv
-from .plots import plot_curves
 
 RESULT_FILES = ("metrics.jsonl", "model.pdparams", checkpoint.CKPT_DIR)
 
@@ -53,6 +54,7 @@ class RunFiles:
         self.out = Path(cfg.output_dir)
         self.enabled = env.is_main
         self.cfg = cfg
+        self._plotter: subprocess.Popen | None = None
 
     def start(self, resumed_epoch: int | None) -> None:
         """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them."""
@@ -75,7 +77,19 @@ class RunFiles:
             return
         with open(self.out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        plot_curves(self.out / "metrics.jsonl", self.out / "curves.png")
+        if self._plotter is None or self._plotter.poll() is not None:  # one drawing at a time; finish() redraws
+            self._plotter = self._draw()
+
+    def _draw(self) -> subprocess.Popen:
+        """curves.png is drawn by a child process, so the trainer never loads matplotlib and its memory stays flat."""
+        return subprocess.Popen([sys.executable, plots.__file__, str(self.out)], stdout=subprocess.DEVNULL)
+
+    def finish(self) -> None:
+        """Wait for a drawing under way, then draw the final curves."""
+        if not self.enabled or self._plotter is None:
+            return
+        self._plotter.wait()
+        self._draw().wait()
 
     def save_checkpoint(self, state: dict) -> None:
         if not self.enabled:

@@ -118,6 +118,7 @@ def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
         text = worker_log(tmp_path / "log", rank)
         assert re.search(r"the (training loss|weights) became NaN or infinite .*by step \d+", text), text[-2000:]
         assert "lower --lr" in text
+        assert f"python -m paddle_mnist.logs {tmp_path / 'log'}" in text
     assert not (out / "model.pdparams").exists()
     summary = summarise(tmp_path / "log")
     assert "rank 0   error" in summary and "the training loss became NaN" in summary, summary
