@@ -113,6 +113,15 @@ def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr:
     }
 
 
+def _log_epoch(log: logging.Logger, cfg: Config, row: dict) -> None:
+    log.info(
+        f"epoch {row['epoch']}/{cfg.epochs} done: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+        f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f} ({row['val_count']} images) | "
+        f"{row['epoch_time_s']:.1f}s, {row['images_per_sec']:.0f} img/s global, "
+        f"input wait {100 * row['input_wait_share']:.1f}%, memory {row['rss_mb']:.0f} MiB"
+    )
+
+
 def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
     if env.device == "cpu":
@@ -172,17 +181,13 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             val = engine.evaluate(model, test, ds, cfg, env)
             dog.progress(step)
             row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())
-            log.info(
-                f"epoch {epoch + 1}/{cfg.epochs} done: train loss {stats.loss:.4f} acc {stats.acc:.4f} | "
-                f"val loss {val.loss:.4f} acc {val.acc:.4f} ({val.count} images) | "
-                f"{stats.seconds:.1f}s, {stats.images_per_sec:.0f} img/s global, "
-                f"input wait {100 * row['input_wait_share']:.1f}%, memory {memory_mb()[0]:.0f} MiB"
-            )
+            _log_epoch(log, cfg, row)
             _check_weights(model, epoch, step)
             files.append_metrics(row)
-            whole = done == steps_per_epoch
-            state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
-            files.save_checkpoint(state)
+            if files.enabled:  # only rank 0 writes: the others need not gather the state
+                whole = done == steps_per_epoch
+                state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
+                files.save_checkpoint(state)
 
     net = distributed.unwrap(model)
     files.save_weights(net)

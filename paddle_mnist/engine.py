@@ -135,7 +135,8 @@ def train_one_epoch(
                 f"epoch {epoch + 1} step {steps}/{total} loss {float(loss):.4f} lr {opt.get_lr():.5f} "
                 f"{seen * env.world_size / elapsed:.0f} img/s (global)"
             )
-        bar.update(steps, f"loss {float(loss):.4f}" if env.is_main and bar.enabled else "")
+        if bar.enabled:
+            bar.update(steps, f"loss {float(loss):.4f}")
     batches.close()
     seconds = all_reduce_max(time.perf_counter() - start, env)
     totals = all_reduce_sum([float(loss_sum), float(correct), seen], env)
