@@ -11,7 +11,7 @@ import time
 import numpy as np
 import paddle
 
-from . import checkpoint, data, distributed, engine
+from . import augment, checkpoint, data, distributed, engine
 from .config import Config, ConfigError, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
 from .log import get_logger, memory_mb
@@ -30,7 +30,8 @@ def _agree_output_dir(cfg: Config, env: DistEnv) -> None:
         raise ConfigError("rank 0 refused --output-dir; its message is in workerlog.0")
 
 
-def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, train_n: int, test_n: int, threads):
+def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, splits: tuple, threads: int):
+    train, val, test = splits
     log.info(
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
         f"backend {env.backend}, device {env.device}"
@@ -40,13 +41,27 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
         f"lr {cfg.lr} ({cfg.lr_schedule}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
         f"epochs {cfg.epochs}"
     )
-    log.info(
-        f"dataset {ds.name}: train {train_n} of {len(ds.train)}, validation/test {test_n} of {len(ds.test)} "
-        "(the test split serves as validation)"
+    c, h, w = ds.image_shape
+    split_text = (
+        f"validation/test {len(val)} of {len(ds.test)} (the test split serves as validation)"
+        if ds.val_is_test
+        else f"validation {len(val)} of {len(ds.val)}, test {len(test)} of {len(ds.test)}"
     )
+    shape = f"{c}x{h}x{w}, {len(ds.classes)} classes"
+    log.info(f"dataset {ds.name} ({shape}): train {len(train)} of {len(ds.train)}, {split_text}")
+    mean = ", ".join(f"{m:.4f}" for m in ds.mean)
+    std = ", ".join(f"{x:.4f}" for x in ds.std)
+    log.info(f"input: normalised with training mean ({mean}) and std ({std}); augmentation {_augment_text(cfg, ds)}")
     log.info(
         f"paddle {paddle.__version__}, CPU threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
     )
+
+
+def _augment_text(cfg: Config, ds: data.Dataset) -> str:
+    if not cfg.augment:
+        return "off"
+    policy = augment.POLICIES[ds.name]
+    return f"random shifts of up to {policy.pad} px" + (" and horizontal flips" if policy.flip else "")
 
 
 def _checkpoint_state(model, opt, sched, cfg: Config, epoch: int, batch_in_epoch: int, step: int) -> dict:
@@ -127,18 +142,18 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     if env.device == "cpu":
         distributed.apply_cpu_threads(threads)
     ds = data.load_dataset(cfg.dataset, cfg.data_dir)
-    train, test = ds.train.head(cfg.train_limit), ds.test.head(cfg.eval_limit)
+    train, val_split, test = ds.train.head(cfg.train_limit), ds.val.head(cfg.eval_limit), ds.test.head(cfg.eval_limit)
     if len(train) < cfg.batch_size:
         raise ConfigError(
             f"the training split has {len(train)} images, fewer than one global batch of {cfg.batch_size}; "
             "lower --batch-size or raise --train-limit"
         )
-    _log_start(log, cfg, env, ds, len(train), len(test), threads)
+    _log_start(log, cfg, env, ds, (train, val_split, test), threads)
     _agree_output_dir(cfg, env)
 
     paddle.seed(cfg.seed)  # the same seed on every rank: the same initial weights everywhere
     np.random.seed(cfg.seed)
-    model = build_model(cfg.model, len(ds.classes))
+    model = build_model(cfg.model, len(ds.classes), ds.image_shape)
     log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
     sampler = engine.make_sampler(len(train), cfg, env)
     steps_per_epoch = len(sampler)
@@ -178,7 +193,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             step += stats.steps
             done = skip + stats.steps
             skip = 0
-            val = engine.evaluate(model, test, ds, cfg, env)
+            val = engine.evaluate(model, val_split, ds, cfg, env)
             dog.progress(step)
             row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())
             _log_epoch(log, cfg, row)
@@ -192,7 +207,10 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     net = distributed.unwrap(model)
     files.save_weights(net)
     files.finish()
-    final = val if val is not None else engine.evaluate(model, test, ds, cfg, env)  # last epoch's: same weights
+    if val is not None and ds.val_is_test:
+        final = val  # the last epoch's evaluation: same weights, same images
+    else:
+        final = engine.evaluate(model, test, ds, cfg, env)
     result = {
         "test_loss": final.loss,
         "test_acc": final.acc,
@@ -201,11 +219,13 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         "world_size": env.world_size,
         "global_batch_size": cfg.batch_size,
         "wall_time_s": time.time() - started,
+        "peak_rss_mb": memory_mb()[1],  # rank 0's
     }
     files.write_json("results.json", result)
     log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
         f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
+        f"peak memory {memory_mb()[1]:.0f} MiB; "
         f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
     )
     distributed.barrier(env)

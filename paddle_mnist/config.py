@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DATASETS = ("fashion-mnist", "mnist")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
+AUGMENTED_BY_DEFAULT = ("cifar10",)  # the tutorials augmented CIFAR-10; MNIST-type data trains well without
 MODELS = ("mnist_cnn",)
 LR_SCHEDULES = ("poly", "constant")
 PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
@@ -23,6 +24,7 @@ class Config:
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
     model: str = "mnist_cnn"
+    augment: bool = False  # parse_args fills in the dataset's default when neither flag is given
     epochs: int = 10
     max_steps: int = 0
     batch_size: int = 0  # global batch of one optimizer step; 0 = PER_WORKER_BATCH x world size
@@ -77,7 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir",
         default=d.data_dir,
-        help="folder holding the dataset's files (None: data/<dataset> in this repository)",
+        help="folder (or the archive or .json.gz file itself) holding the dataset "
+        "(None: data/<dataset> in this repository; scripts/download_data.py puts it there)",
+    )
+    p.add_argument(
+        "--augment",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random shifts (and flips where the classes allow) on each training batch "
+        f"(None: on for {', '.join(AUGMENTED_BY_DEFAULT)}, off otherwise)",
     )
     p.add_argument("--model", default=d.model, choices=MODELS, help="network to train")
     _add_count(p, "--epochs", "passes over the training split")
@@ -135,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a Config; argparse exits with status 2 on malformed flags."""
     ns = build_parser().parse_args(argv)
+    if ns.augment is None:
+        ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
     if cfg.resume != "no" and cfg.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: pass one of them")

@@ -1,48 +1,36 @@
-"""Datasets held in memory as uint8, checked against their checksums, served in whole batches."""
+"""Datasets held once in memory as uint8, checked on load, served as whole normalised batches by a background thread."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from . import augment, formats
+from .config import DATASETS
+from .formats import DataError
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
-# mean and std of the training pixels scaled to [0, 1], computed once on the full training splits
-NORMALISATION = {"fashion-mnist": (0.2860, 0.3530), "mnist": (0.1307, 0.3081)}
-CLASS_NAMES = {
-    "fashion-mnist": (
-        "T-shirt/top",
-        "Trouser",
-        "Pullover",
-        "Dress",
-        "Coat",
-        "Sandal",
-        "Shirt",
-        "Sneaker",
-        "Bag",
-        "Ankle boot",
-    ),
-    "mnist": tuple(str(i) for i in range(10)),
-}
+CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
+MNIST_JSON = "mnist.json.gz"
+DIGITS = tuple(str(i) for i in range(10))
+FASHION = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 
-
-class DataError(ValueError):
-    """A dataset file that is missing, damaged or not what it claims to be."""
+__all__ = ["DataError", "Dataset", "Split", "load_dataset"]
 
 
 @dataclass(frozen=True)
 class Split:
-    images: np.ndarray  # uint8, (N, H, W)
+    images: np.ndarray  # uint8, (N, C, H, W)
     labels: np.ndarray  # int64, (N,)
 
     def __len__(self) -> int:
@@ -56,40 +44,34 @@ class Split:
 class Dataset:
     name: str
     train: Split
-    test: Split
-    mean: float
-    std: float
+    val: Split  # scored every epoch
+    test: Split  # scored once at the end; the same object as val when the dataset has no validation split
+    mean: tuple[float, ...]  # per channel, pixels scaled to [0, 1], from the whole training split
+    std: tuple[float, ...]
     classes: tuple[str, ...]
 
+    @property
+    def val_is_test(self) -> bool:
+        return self.val is self.test
 
-def _read_bytes(path: Path) -> bytes:
-    try:
-        raw = path.read_bytes()
-        return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DataError(f"{path}: cannot read it ({e}); replace the file with a good copy") from e
-
-
-def parse_idx(data: bytes, path: Path, ndim: int) -> np.ndarray:
-    """Decode an idx file (the MNIST format): magic 0x0000 0x08 ndim, big-endian sizes, uint8 data."""
-    if len(data) < 4 + 4 * ndim:
-        raise DataError(f"{path}: {len(data)} bytes is too short for an idx header")
-    if data[:2] != b"\0\0" or data[2] != 0x08 or data[3] != ndim:
-        raise DataError(
-            f"{path}: wrong magic number {data[:4].hex()} (want 000008{ndim:02x}: uint8, {ndim} dimensions)"
-        )
-    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
-    want = int(np.prod(shape)) + 4 + 4 * ndim
-    if len(data) != want:
-        raise DataError(f"{path}: header promises shape {shape} ({want} bytes) but the file has {len(data)} bytes")
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.train.images.shape[1:])
 
 
-def _find(folder: Path, stem: str) -> Path:
-    for name in (stem + ".gz", stem):
-        if (folder / name).is_file():
-            return folder / name
-    raise DataError(f"{folder}: no {stem}[.gz]; put the dataset's four idx files there or pass --data-dir")
+def _missing(folder: Path, name: str, what: str) -> DataError:
+    return DataError(
+        f"{folder}: {what}; run python scripts/download_data.py {name} (on a machine with network), "
+        "or put the files there, or pass --data-dir"
+    )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def verify_checksums(folder: Path) -> None:
@@ -103,39 +85,87 @@ def verify_checksums(folder: Path) -> None:
         digest, name = line.split(maxsplit=1)
         path = folder / name.lstrip("*")
         if not path.is_file():
-            raise DataError(f"{path}: listed in {listing} but missing; restore it (git checkout -- {path})")
-        if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+            raise DataError(f"{path}: listed in {listing} but missing; restore it")
+        if _sha256(path) != digest:
             raise DataError(f"{path}: SHA-256 does not match {listing}; the file is damaged, restore a good copy")
+
+
+def _find(folder: Path, stem: str) -> Path:
+    for name in (stem + ".gz", stem):
+        if (folder / name).is_file():
+            return folder / name
+    raise _missing(folder, folder.name, f"no {stem}[.gz]")
 
 
 def load_split(folder: Path, split: str) -> Split:
     image_stem, label_stem = IDX_FILES[split]
     ipath, lpath = _find(folder, image_stem), _find(folder, label_stem)
-    images = parse_idx(_read_bytes(ipath), ipath, 3)
-    labels = parse_idx(_read_bytes(lpath), lpath, 1)
-    if len(images) != len(labels):
-        raise DataError(f"{ipath} has {len(images)} images but {lpath} has {len(labels)} labels")
-    if len(labels) == 0:
-        raise DataError(f"{ipath}: the split is empty")
-    if labels.max() > 9:
-        raise DataError(f"{lpath}: label {int(labels.max())} is outside 0..9")
-    return Split(images, labels.astype(np.int64))
+    images, labels = formats.check_pair(formats.read_idx(ipath, 3), formats.read_idx(lpath, 1), f"{ipath}, {lpath}")
+    return Split(images[:, None], labels)  # a channel axis, as a view
+
+
+def _cifar_source(path: Path) -> Path:
+    """The archive or the extracted batch folder, whichever --data-dir (or data/cifar10) leads to."""
+    if path.is_file():
+        return path
+    for candidate in (path / CIFAR_ARCHIVE, path / formats.CIFAR_FOLDER, path):
+        if candidate.is_file() or (candidate / formats.CIFAR_TRAIN[0]).is_file():
+            return candidate
+    raise _missing(path, "cifar10", f"neither {CIFAR_ARCHIVE} nor {formats.CIFAR_FOLDER}/ is here")
+
+
+def channel_stats(images: np.ndarray, chunk: int = 4096) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Exact per-channel mean and std of uint8 images, scaled to [0, 1], from pixel histograms.
+
+    Counting the 256 values per channel needs no float copy of the dataset, so memory stays flat.
+    """
+    counts = np.zeros((images.shape[1], 256), np.int64)
+    for lo in range(0, len(images), chunk):
+        block = images[lo : lo + chunk]
+        for c in range(images.shape[1]):
+            counts[c] += np.bincount(block[:, c].ravel(), minlength=256)
+    levels = np.arange(256) / 255.0
+    total = counts.sum(axis=1)
+    mean = counts @ levels / total
+    std = np.sqrt(np.maximum(counts @ levels**2 / total - mean**2, 1e-12))
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+def _read(name: str, path: Path) -> tuple[Split, Split, Split, tuple[str, ...]]:
+    """(train, val, test, class names); val is test when the format has no validation split."""
+    if name in ("mnist", "fashion-mnist"):
+        train, test = load_split(path, "train"), load_split(path, "test")
+        return train, test, test, FASHION if name == "fashion-mnist" else DIGITS
+    if name == "cifar10":
+        train, test, classes = formats.read_cifar10(_cifar_source(path))
+        test = Split(*test)
+        return Split(*train), test, test, classes
+    file = path if path.is_file() else path / MNIST_JSON
+    if not file.is_file():
+        raise _missing(path, name, f"no {MNIST_JSON}")
+    parts = formats.read_mnist_json(file)
+    return Split(*parts["train"]), Split(*parts["valid"]), Split(*parts["eval"]), DIGITS
 
 
 def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
-    folder = Path(data_dir) if data_dir else REPO_DATA / name
-    if not folder.is_dir():
-        raise DataError(f"{folder}: no such folder; put the {name} idx files there or pass --data-dir")
-    verify_checksums(folder)
-    mean, std = NORMALISATION[name]
-    return Dataset(name, load_split(folder, "train"), load_split(folder, "test"), mean, std, CLASS_NAMES[name])
+    if name not in DATASETS:
+        raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    path = Path(data_dir) if data_dir else REPO_DATA / name
+    if not path.exists():
+        raise _missing(path, name, "no such folder")
+    verify_checksums(path if path.is_dir() else path.parent)
+    train, val, test, classes = _read(name, path)
+    mean, std = channel_stats(train.images)
+    return Dataset(name, train, val, test, mean, std, classes)
 
 
-def normalise(images: np.ndarray, mean: float, std: float) -> np.ndarray:
-    """uint8 (N, H, W) -> float32 (N, 1, H, W), scaled and standardised as one array operation."""
-    x = images.astype(np.float32)[:, None]
-    x *= 1.0 / (255.0 * std)
-    x -= mean / std
+def normalise(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
+    """uint8 (N, C, H, W) -> float32, standardised per channel as one array operation."""
+    scale = (1.0 / (255.0 * np.asarray(std, np.float32))).reshape(1, -1, 1, 1)
+    shift = (np.asarray(mean, np.float32) / np.asarray(std, np.float32)).reshape(1, -1, 1, 1)
+    x = images.astype(np.float32)
+    x *= scale
+    x -= shift
     return x
 
 
@@ -151,10 +181,27 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
-def batches(split: Split, index_batches, mean: float, std: float) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    for idx in index_batches:
+@dataclass(frozen=True)
+class AugmentPlan:
+    """What train_batches needs to draw one batch's augmentation: the policy and the batch's coordinates."""
+
+    policy: augment.Augment
+    seed: int
+    rank: int
+    epoch: int
+
+
+def batches(
+    split: Split, ds: Dataset, index_batches: Iterable, plan: AugmentPlan | None = None, first: int = 0
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(float32 images, int64 labels) per index batch; with a plan, batch number first + k is augmented."""
+    for k, idx in enumerate(index_batches, start=first):
         idx = np.asarray(idx)
-        yield normalise(split.images[idx], mean, std), split.labels[idx]
+        images = split.images[idx]
+        if plan is not None:
+            rng = augment.batch_rng(plan.seed, plan.rank, plan.epoch, k)
+            images = augment.shift_and_flip(images, plan.policy, rng)
+        yield normalise(images, ds.mean, ds.std), split.labels[idx]
 
 
 def prefetch(it: Iterator, depth: int = 2) -> Iterator:

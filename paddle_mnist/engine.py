@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from . import data
+from . import augment, data
 from .config import Config
 from .distributed import DistEnv, all_reduce_max, all_reduce_sum, unwrap
 from .log import ProgressBar
@@ -111,7 +111,9 @@ def train_one_epoch(
     seen = steps = 0
     wait = 0.0
     start = time.perf_counter()
-    batches = data.prefetch(data.batches(split, itertools.islice(sampler, skip, None), ds.mean, ds.std))
+    plan_aug = data.AugmentPlan(augment.POLICIES[ds.name], cfg.seed, env.rank, epoch) if cfg.augment else None
+    indices = itertools.islice(sampler, skip, None)
+    batches = data.prefetch(data.batches(split, ds, indices, plan_aug, first=skip))
     for steps in range(1, total + 1):
         t0 = time.perf_counter()
         images, labels = next(batches)
@@ -172,7 +174,7 @@ def evaluate(model: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: C
     sums = np.zeros(3)
     for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
         idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
-        images, labels = next(data.batches(split, [idx], ds.mean, ds.std))
+        images, labels = next(data.batches(split, ds, [idx]))
         y = paddle.to_tensor(labels)
         logits = net(paddle.to_tensor(images))
         sums += (

@@ -28,8 +28,12 @@ class MnistCNN(nn.Layer):
 MODELS = {"mnist_cnn": MnistCNN}
 
 
-def build_model(name: str, num_classes: int = 10) -> nn.Layer:
-    return MODELS[name](num_classes=num_classes)
+def build_model(name: str, num_classes: int = 10, image_shape: tuple[int, int, int] = (1, 28, 28)) -> nn.Layer:
+    """image_shape is (channels, height, width) of the dataset's images."""
+    channels, height, width = image_shape
+    if height != width:
+        raise ValueError(f"{name} expects square images, got {height}x{width}")
+    return MODELS[name](num_classes=num_classes, in_channels=channels, image_size=height)
 
 
 def count_parameters(model: nn.Layer) -> int:

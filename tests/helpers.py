@@ -1,13 +1,17 @@
-"""Shared by the tests: small datasets in the real idx format, and running the trainer as users do."""
+"""Shared by the tests: small datasets in the real formats (idx, CIFAR-10, mnist.json.gz), and running the trainer."""
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import io
+import json
 import os
+import pickle
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -89,3 +93,77 @@ def explain(proc: subprocess.CompletedProcess, log_dir: Path | None = None) -> s
         for p in sorted(Path(log_dir).glob("workerlog.*")):
             parts.append(f"--- {p.name}\n{p.read_text()[-3000:]}")
     return "\n".join(parts)
+
+
+def make_colour_images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ten learnable colour classes, 3 x 32 x 32, CIFAR-like: a per-class pattern plus noise."""
+    templates = np.random.RandomState(10).randint(0, 256, size=(10, 3, 32, 32)).astype(np.float64)
+    rng = np.random.RandomState(seed)
+    labels = rng.randint(0, 10, size=n)
+    images = np.clip(templates[labels] + rng.normal(0, 60, size=(n, 3, 32, 32)), 0, 255).astype(np.uint8)
+    return images, labels
+
+
+def cifar_batch_bytes(images: np.ndarray, labels, name: str = "training batch 1 of 5") -> bytes:
+    """One batch file as the real archive has it: a protocol-2 pickle of a dict with bytes keys."""
+    batch = {
+        b"batch_label": name.encode(),
+        b"labels": [int(v) for v in labels],
+        b"data": np.ascontiguousarray(images, dtype=np.uint8).reshape(len(images), -1),
+        b"filenames": [f"img_{i}.png".encode() for i in range(len(images))],
+    }
+    return pickle.dumps(batch, protocol=2)
+
+
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def cifar_members(n_per_batch: int = 64, n_test: int = 50) -> dict[str, bytes]:
+    """The archive's members (basename -> bytes): five training batches, the test batch, the meta file."""
+    members = {}
+    for i in range(1, 6):
+        images, labels = make_colour_images(n_per_batch, seed=i)
+        members[f"data_batch_{i}"] = cifar_batch_bytes(images, labels, f"training batch {i} of 5")
+    images, labels = make_colour_images(n_test, seed=99)
+    members["test_batch"] = cifar_batch_bytes(images, labels, "testing batch 1 of 1")
+    meta = {b"label_names": [c.encode() for c in CIFAR_CLASSES], b"num_cases_per_batch": n_per_batch, b"num_vis": 3072}
+    members["batches.meta"] = pickle.dumps(meta, protocol=2)
+    members["readme.html"] = b"<html></html>"
+    return members
+
+
+def write_cifar_archive(path: Path, members: dict[str, bytes]) -> Path:
+    """cifar-10-python.tar.gz with the real member names (cifar-10-batches-py/NAME)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as tar:
+        for name, payload in members.items():
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return path
+
+
+def write_cifar_folder(folder: Path, members: dict[str, bytes]) -> Path:
+    """The extracted cifar-10-batches-py/ folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, payload in members.items():
+        (folder / name).write_bytes(payload)
+    return folder
+
+
+def mnist_json_tree(sizes=(120, 40, 30), signed: bool = False) -> list:
+    """[train, valid, eval], each [images as flat lists of 784 floats, labels], as the course's file has them."""
+    tree = []
+    for seed, n in enumerate(sizes, start=5):
+        images, labels = make_images(n, seed)
+        x = images.reshape(n, 784) / 255.0
+        if signed:
+            x = x * 2.0 - 1.0
+        tree.append([np.round(x, 6).tolist(), labels.astype(int).tolist()])
+    return tree
+
+
+def write_mnist_json(path: Path, tree: list) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(gzip.compress(json.dumps(tree, separators=(",", ":")).encode()))
+    return path

@@ -9,7 +9,7 @@ import paddle
 import pytest
 from helpers import REPO, idx_bytes, make_dataset, write_idx
 
-from paddle_mnist import config, data, engine
+from paddle_mnist import config, data, engine, formats
 from paddle_mnist.distributed import DistEnv
 from paddle_mnist.models import MnistCNN, count_parameters
 
@@ -42,7 +42,7 @@ def test_config_round_trips_through_json(tmp_path):
 def test_idx_files_load_gzipped_or_plain(tmp_path, compress):
     make_dataset(tmp_path, n_train=30, n_test=7, compress=compress)
     split = data.load_split(tmp_path, "test")
-    assert split.images.shape == (7, 28, 28) and split.images.dtype == np.uint8
+    assert split.images.shape == (7, 1, 28, 28) and split.images.dtype == np.uint8
     assert split.labels.dtype == np.int64 and len(split) == 7
 
 
@@ -50,13 +50,13 @@ def test_wrong_magic_number_names_the_file(tmp_path):
     raw = bytearray(idx_bytes(np.zeros((3, 28, 28), np.uint8)))
     raw[3] = 2
     with pytest.raises(data.DataError, match="wrong magic number"):
-        data.parse_idx(bytes(raw), tmp_path / "x", 3)
+        formats.parse_idx(bytes(raw), tmp_path / "x", 3)
 
 
 def test_truncated_file_is_refused(tmp_path):
     raw = idx_bytes(np.zeros((3, 28, 28), np.uint8))
     with pytest.raises(data.DataError, match="header promises"):
-        data.parse_idx(raw[:-5], tmp_path / "x", 3)
+        formats.parse_idx(raw[:-5], tmp_path / "x", 3)
 
 
 def test_truncated_gzip_is_refused(tmp_path):
@@ -71,7 +71,7 @@ def test_truncated_gzip_is_refused(tmp_path):
 def test_label_count_must_match_image_count(tmp_path):
     make_dataset(tmp_path, n_train=30, n_test=7)
     write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(6, np.uint8))
-    with pytest.raises(data.DataError, match="7 images but .* 6 labels"):
+    with pytest.raises(data.DataError, match="7 images but 6 labels"):
         data.load_split(tmp_path, "test")
 
 

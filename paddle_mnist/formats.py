@@ -1,0 +1,257 @@
+"""Readers for the dataset files: idx (MNIST, Fashion-MNIST), the CIFAR-10 python archive, the course's mnist.json.gz.
+
+Every reader checks what it reads and raises DataError naming the file and the problem; none of them trains on
+a partial file. Images come back as uint8 (N, C, H, W), labels as int64 (N,).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib
+import io
+import json
+import pickle
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+CIFAR_FOLDER = "cifar-10-batches-py"
+CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
+CIFAR_TEST = "test_batch"
+CIFAR_META = "batches.meta"
+CIFAR_SHAPE = (3, 32, 32)
+
+
+class DataError(ValueError):
+    """A dataset file that is missing, damaged or not what it claims to be."""
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped when they start with the gzip magic number."""
+    try:
+        raw = Path(path).read_bytes()
+        return gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: cannot read it ({e}); replace the file with a good copy") from e
+
+
+def parse_idx(data: bytes, path: Path, ndim: int) -> np.ndarray:
+    """Decode an idx file (the MNIST format): magic 0x0000 0x08 ndim, big-endian sizes, uint8 data."""
+    if len(data) < 4 + 4 * ndim:
+        raise DataError(f"{path}: {len(data)} bytes is too short for an idx header")
+    if data[:2] != b"\0\0" or data[2] != 0x08 or data[3] != ndim:
+        raise DataError(
+            f"{path}: wrong magic number {data[:4].hex()} (want 000008{ndim:02x}: uint8, {ndim} dimensions)"
+        )
+    shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
+    want = int(np.prod(shape)) + 4 + 4 * ndim
+    if len(data) != want:
+        raise DataError(f"{path}: header promises shape {shape} ({want} bytes) but the file has {len(data)} bytes")
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def read_idx(path: Path, ndim: int) -> np.ndarray:
+    return parse_idx(read_bytes(path), path, ndim)
+
+
+def check_pair(images: np.ndarray, labels: np.ndarray, where: str, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """The checks every split must pass, whatever its format; labels come back as int64."""
+    if len(images) != len(labels):
+        raise DataError(f"{where}: {len(images)} images but {len(labels)} labels")
+    if len(labels) == 0:
+        raise DataError(f"{where}: the split is empty")
+    labels = np.asarray(labels)
+    if labels.min() < 0 or labels.max() >= classes:
+        bad = int(labels.max() if labels.max() >= classes else labels.min())
+        raise DataError(f"{where}: label {bad} is outside 0..{classes - 1}")
+    return images, labels.astype(np.int64)
+
+
+# ---- CIFAR-10: pickled dicts inside a tar.gz; loaded without ever running code from the file ----
+
+_NUMPY_GLOBALS = {
+    ("numpy", "ndarray"): lambda: np.ndarray,
+    ("numpy", "dtype"): lambda: np.dtype,
+    ("numpy.core.multiarray", "_reconstruct"): lambda: _numpy_reconstruct(),
+    ("numpy._core.multiarray", "_reconstruct"): lambda: _numpy_reconstruct(),
+    ("_codecs", "encode"): lambda: _latin1_bytes,
+}  # the real batches were pickled by Python 2 (protocol 2): arrays come back through _reconstruct
+
+
+def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
+    """How a protocol-2 pickle written by Python 3 spells bytes; only that use of codecs is admitted."""
+    if not isinstance(text, str) or encoding.replace("-", "") != "latin1":
+        raise _Refused(f"refused to load _codecs.encode with {encoding!r}: only latin1 text is bytes")
+    return text.encode("latin1")
+
+
+def _numpy_reconstruct():
+    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2, numpy 1
+        try:
+            return importlib.import_module(module)._reconstruct
+        except (ImportError, AttributeError):
+            continue
+    raise DataError("this numpy has no array reconstruction function")
+
+
+class _Refused(pickle.UnpicklingError):
+    """The pickle asked for something outside the allowed list."""
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Admits plain containers, strings, bytes and numbers, and numpy's array reconstruction; nothing else.
+
+    Everything callable in a pickle goes through find_class, so refusing here means a crafted file cannot
+    make the loader import or call anything else (os.system, eval, ...).
+    """
+
+    def find_class(self, module: str, name: str):
+        make = _NUMPY_GLOBALS.get((module, name))
+        if make is None:
+            raise _Refused(f"refused to load {module}.{name}: the file may try to run code")
+        return make()
+
+
+def safe_unpickle(data: bytes, where: str) -> object:
+    try:
+        return _RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except _Refused as e:
+        raise DataError(f"{where}: {e}; CIFAR-10 batches hold only arrays and lists, so this is not one") from e
+    except Exception as e:  # a damaged pickle fails in many ways: EOFError, ValueError, KeyError, ...
+        raise DataError(f"{where}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from e
+
+
+def _field(batch: dict, key: str, where: str):
+    for k in (key.encode(), key):
+        if k in batch:
+            return batch[k]
+    raise DataError(f"{where}: no '{key}' entry; this is not a CIFAR-10 python batch")
+
+
+def cifar_batch(data: bytes, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """One batch file: a dict with 'data' (N, 3072) uint8 and 'labels' (N,) ints."""
+    batch = safe_unpickle(data, where)
+    if not isinstance(batch, dict):
+        raise DataError(f"{where}: holds a {type(batch).__name__}, not a CIFAR-10 batch dict")
+    images = _field(batch, "data", where)
+    labels = np.asarray(_field(batch, "labels", where))
+    if not isinstance(images, np.ndarray) or images.dtype != np.uint8 or images.ndim != 2:
+        kind = f"{images.dtype} array of shape {images.shape}" if isinstance(images, np.ndarray) else type(images)
+        raise DataError(f"{where}: 'data' is a {kind}, want a uint8 array of shape (N, 3072)")
+    if images.shape[1] != int(np.prod(CIFAR_SHAPE)):
+        raise DataError(f"{where}: 'data' rows hold {images.shape[1]} values, want 3072 (3 x 32 x 32)")
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(f"{where}: 'labels' must be a list of integers")
+    return check_pair(images.reshape(-1, *CIFAR_SHAPE), labels, where)
+
+
+class _CifarSource:
+    """The batch files of cifar-10-python.tar.gz or of its extracted cifar-10-batches-py/ folder."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.tar: tarfile.TarFile | None = None
+        if self.path.is_file():
+            try:
+                with open(self.path, "rb") as f:
+                    gzipped = f.read(2) == b"\x1f\x8b"
+                self.tar = tarfile.open(self.path, "r:gz" if gzipped else "r:")
+                self.members = {Path(m.name).name: m for m in self.tar.getmembers() if m.isfile()}
+            except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+                raise DataError(f"{self.path}: not a readable tar archive ({e}); download it again") from e
+
+    def read(self, name: str) -> bytes:
+        if self.tar is None:
+            file = self.path / name
+            if not file.is_file():
+                raise DataError(
+                    f"{file}: missing; the CIFAR-10 folder must hold {', '.join(CIFAR_TRAIN)}, {CIFAR_TEST}"
+                )
+            return file.read_bytes()
+        member = self.members.get(name)
+        if member is None:
+            raise DataError(f"{self.path}: the archive has no member {CIFAR_FOLDER}/{name}; download it again")
+        try:
+            return self.tar.extractfile(member).read()
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            raise DataError(f"{self.path}: member {member.name} is damaged ({e}); download it again") from e
+
+    def where(self, name: str) -> str:
+        return f"{self.path}:{name}" if self.tar is not None else str(self.path / name)
+
+    def close(self) -> None:
+        if self.tar is not None:
+            self.tar.close()
+
+
+def read_cifar10(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray], tuple[str, ...]]:
+    """(train, test, class names) from cifar-10-python.tar.gz or a cifar-10-batches-py/ folder.
+
+    The five training batches are copied into one preallocated array, so the training split is held once.
+    """
+    source = _CifarSource(path)
+    try:
+        images = labels = None
+        for i, name in enumerate(CIFAR_TRAIN):
+            x, y = cifar_batch(source.read(name), source.where(name))
+            if images is None:
+                per = len(x)
+                images = np.empty((per * len(CIFAR_TRAIN), *CIFAR_SHAPE), np.uint8)
+                labels = np.empty(len(images), np.int64)
+            if len(x) != per:
+                first = source.where(CIFAR_TRAIN[0])
+                raise DataError(f"{source.where(name)}: {len(x)} images, but {first} has {per}; download it again")
+            images[i * per : (i + 1) * per] = x
+            labels[i * per : (i + 1) * per] = y
+        test = cifar_batch(source.read(CIFAR_TEST), source.where(CIFAR_TEST))
+        meta = safe_unpickle(source.read(CIFAR_META), source.where(CIFAR_META))
+    finally:
+        source.close()
+    names = meta.get(b"label_names", meta.get("label_names")) if isinstance(meta, dict) else None
+    if not isinstance(names, list) or len(names) != 10:
+        raise DataError(f"{source.where(CIFAR_META)}: want 'label_names', a list of the 10 class names")
+    classes = tuple(n.decode() if isinstance(n, bytes) else str(n) for n in names)
+    return (images, labels), test, classes
+
+
+# ---- mnist.json.gz of the PaddlePaddle course: [train, valid, eval], each [images, labels] ----
+
+MNIST_JSON_SPLITS = ("train", "valid", "eval")
+
+
+def _json_images(images: list, where: str) -> np.ndarray:
+    try:
+        x = np.asarray(images, dtype=np.float32)
+    except (ValueError, TypeError) as e:
+        raise DataError(f"{where}: images must be lists of 784 numbers ({e})") from e
+    if x.ndim != 2 or x.shape[1] != 784:
+        raise DataError(f"{where}: images have shape {x.shape}, want (N, 784): flat 28 x 28 images")
+    if not np.isfinite(x).all() or x.min() < -1.0 or x.max() > 1.0:
+        raise DataError(f"{where}: pixel values must lie in [0, 1] or [-1, 1], found {x.min():.3g}..{x.max():.3g}")
+    if x.min() < 0:  # the [-1, 1] convention
+        x = (x + 1.0) / 2.0
+    return np.rint(x * 255.0).astype(np.uint8).reshape(-1, 1, 28, 28)
+
+
+def read_mnist_json(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{'train', 'valid', 'eval'} -> (uint8 images, int64 labels). Parsed as JSON only, never executed."""
+    try:
+        tree = json.loads(read_bytes(path))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: not valid JSON ({e}); download or rebuild the file") from e
+    if not isinstance(tree, list) or len(tree) != 3:
+        raise DataError(f"{path}: want a JSON list [train, valid, eval], found {type(tree).__name__}")
+    out = {}
+    for name, part in zip(MNIST_JSON_SPLITS, tree):
+        where = f"{path} ({name} split)"
+        if not isinstance(part, list) or len(part) != 2:
+            raise DataError(f"{where}: want [images, labels]")
+        images = _json_images(part[0], where)
+        labels = part[1]
+        if not isinstance(labels, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
+            raise DataError(f"{where}: labels must be a list of integers")
+        out[name] = check_pair(images, np.asarray(labels, dtype=np.int64), where)
+        part.clear()  # let the parsed floats go before the next split is converted
+    return out

@@ -1,0 +1,354 @@
+"""The input side: every format loads, every kind of damage is named, pickles cannot run code, augmentation is exact."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import (
+    cifar_batch_bytes,
+    cifar_members,
+    explain,
+    make_colour_images,
+    make_images,
+    mnist_json_tree,
+    run_launch,
+    run_single,
+    worker_log,
+    write_cifar_archive,
+    write_cifar_folder,
+    write_mnist_json,
+)
+
+from paddle_mnist import augment, data, formats
+
+ARCHIVE = "cifar-10-python.tar.gz"
+
+
+# ---- CIFAR-10 ----
+
+
+@pytest.mark.parametrize("layout", ["archive", "archive file", "extracted", "extracted folder"])
+def test_cifar10_loads_from_the_archive_or_the_extracted_folder(tmp_path, layout):
+    members = cifar_members(n_per_batch=20, n_test=15)
+    if layout.startswith("archive"):
+        path = write_cifar_archive(tmp_path / ARCHIVE, members)
+    else:
+        path = write_cifar_folder(tmp_path / "cifar-10-batches-py", members)
+    ds = data.load_dataset("cifar10", str(path if layout.endswith(("file", "folder")) else tmp_path))
+    assert ds.train.images.shape == (100, 3, 32, 32) and ds.train.images.dtype == np.uint8
+    assert ds.test.images.shape == (15, 3, 32, 32) and ds.val_is_test
+    assert ds.classes[0] == "airplane" and len(ds.classes) == 10
+    # batch i's images land in rows 20(i-1)..20i-1, channel-first as the archive stores them
+    images, labels = make_colour_images(20, seed=3)
+    np.testing.assert_array_equal(ds.train.images[40:60], images)
+    np.testing.assert_array_equal(ds.train.labels[40:60], labels)
+
+
+def test_cifar10_statistics_are_per_channel_from_the_training_split(tmp_path):
+    write_cifar_archive(tmp_path / ARCHIVE, cifar_members(n_per_batch=20, n_test=15))
+    ds = data.load_dataset("cifar10", str(tmp_path))
+    pixels = ds.train.images.astype(np.float64) / 255
+    np.testing.assert_allclose(ds.mean, pixels.mean(axis=(0, 2, 3)), rtol=1e-12)
+    np.testing.assert_allclose(ds.std, pixels.std(axis=(0, 2, 3)), rtol=1e-9)
+    x = data.normalise(ds.train.images, ds.mean, ds.std)
+    assert x.dtype == np.float32
+    np.testing.assert_allclose(x.mean(axis=(0, 2, 3)), 0, atol=1e-5)
+    np.testing.assert_allclose(x.std(axis=(0, 2, 3)), 1, atol=1e-5)
+
+
+def damaged_cifar(kind: str) -> dict[str, bytes]:
+    members = cifar_members(n_per_batch=20, n_test=15)
+    images, labels = make_colour_images(20, seed=2)
+    if kind == "missing member":
+        del members["data_batch_4"]
+    elif kind == "wrong row length":
+        members["data_batch_2"] = pickle.dumps({b"data": images.reshape(20, -1)[:, :3000], b"labels": labels}, 2)
+    elif kind == "wrong dtype":
+        members["data_batch_2"] = cifar_batch_bytes(images, labels)
+        batch = pickle.loads(members["data_batch_2"])
+        batch[b"data"] = batch[b"data"].astype(np.float32)
+        members["data_batch_2"] = pickle.dumps(batch, 2)
+    elif kind == "label out of range":
+        members["data_batch_2"] = cifar_batch_bytes(images, [10] + list(labels[1:]))
+    elif kind == "labels short":
+        members["data_batch_2"] = cifar_batch_bytes(images, labels[:19])
+    elif kind == "uneven batches":
+        members["data_batch_5"] = cifar_batch_bytes(images[:7], labels[:7])
+    elif kind == "no labels entry":
+        members["test_batch"] = pickle.dumps({b"data": images.reshape(20, -1)}, 2)
+    elif kind == "not a dict":
+        members["test_batch"] = pickle.dumps([1, 2, 3], 2)
+    elif kind == "damaged pickle":
+        members["data_batch_1"] = members["data_batch_1"][:5000]
+    elif kind == "empty batch file":
+        members["data_batch_1"] = b""
+    elif kind == "no class names":
+        members["batches.meta"] = pickle.dumps({b"num_vis": 3072}, 2)
+    return members
+
+
+CIFAR_DAMAGE = {
+    "missing member": "no member cifar-10-batches-py/data_batch_4",
+    "wrong row length": "rows hold 3000 values, want 3072",
+    "wrong dtype": "'data' is a float32 array",
+    "label out of range": "label 10 is outside 0..9",
+    "labels short": "20 images but 19 labels",
+    "uneven batches": "data_batch_5: 7 images, but .*data_batch_1 has 20",
+    "no labels entry": "test_batch: no 'labels' entry",
+    "not a dict": "test_batch: holds a list",
+    "damaged pickle": "data_batch_1: not a readable CIFAR-10 batch",
+    "empty batch file": "data_batch_1: not a readable CIFAR-10 batch",
+    "no class names": "batches.meta: want 'label_names'",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CIFAR_DAMAGE))
+def test_damaged_cifar10_archive_names_the_file_and_the_problem(tmp_path, kind):
+    path = write_cifar_archive(tmp_path / ARCHIVE, damaged_cifar(kind))
+    with pytest.raises(data.DataError, match=CIFAR_DAMAGE[kind]) as err:
+        data.load_dataset("cifar10", str(tmp_path))
+    assert str(path) in str(err.value)
+
+
+def test_damaged_extracted_folder_names_the_batch_file(tmp_path):
+    folder = write_cifar_folder(tmp_path / "cifar-10-batches-py", damaged_cifar("labels short"))
+    with pytest.raises(data.DataError, match="data_batch_2: 20 images but 19 labels") as err:
+        data.load_dataset("cifar10", str(tmp_path))
+    assert str(folder / "data_batch_2") in str(err.value)
+    (folder / "test_batch").unlink()
+    (folder / "data_batch_2").write_bytes(cifar_members(20, 15)["data_batch_2"])
+    with pytest.raises(data.DataError, match="test_batch: missing"):
+        data.load_dataset("cifar10", str(tmp_path))
+
+
+@pytest.mark.parametrize("cut", ["truncated", "empty"])
+def test_truncated_or_empty_archive_is_refused(tmp_path, cut):
+    path = write_cifar_archive(tmp_path / ARCHIVE, cifar_members(n_per_batch=20, n_test=15))
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if cut == "truncated" else b"")
+    with pytest.raises(data.DataError, match=f"{path}: .*download it again"):
+        data.load_dataset("cifar10", str(tmp_path))
+
+
+def test_no_cifar_files_says_how_to_get_them(tmp_path):
+    with pytest.raises(data.DataError, match="neither cifar-10-python.tar.gz nor cifar-10-batches-py/.*download_data"):
+        data.load_dataset("cifar10", str(tmp_path))
+
+
+class _RunsCode:
+    """A pickle payload: unpickling it calls os.system, which would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({b"data": _RunsCode(marker), b"labels": [0]}, protocol=2)
+    # the payload is real: a plain pickle.loads runs it (in a child process, which we throw away)
+    probe = tmp_path / "probe"
+    plain = pickle.dumps(_RunsCode(probe), protocol=2)
+    subprocess.run([sys.executable, "-c", f"import pickle; pickle.loads({plain!r})"], check=True)
+    assert probe.exists()
+
+    members = cifar_members(n_per_batch=20, n_test=15)
+    members["data_batch_3"] = payload
+    write_cifar_archive(tmp_path / ARCHIVE, members)
+    with pytest.raises(data.DataError, match=r"data_batch_3: refused to load (posix|os)\.system"):
+        data.load_dataset("cifar10", str(tmp_path))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "module,name", [("builtins", "eval"), ("subprocess", "Popen"), ("numpy", "load"), ("_codecs", "decode")]
+)
+def test_only_the_array_reconstruction_globals_are_admitted(module, name):
+    class Global:
+        def __reduce__(self):
+            return (getattr(__import__(module), name), ("x",))
+
+    # protocol 2 writes Python 2's module names (builtins -> __builtin__), so only the function name is fixed
+    with pytest.raises(data.DataError, match=rf"refused to load [\w.]+\.{name}:"):
+        formats.safe_unpickle(pickle.dumps(Global(), protocol=2), "batch")
+
+
+# ---- mnist.json.gz ----
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["0..1", "-1..1"])
+def test_mnist_json_keeps_its_validation_split(tmp_path, signed):
+    path = write_mnist_json(tmp_path / "mnist.json.gz", mnist_json_tree((120, 40, 30), signed=signed))
+    ds = data.load_dataset("mnist-json", str(tmp_path))
+    assert (len(ds.train), len(ds.val), len(ds.test)) == (120, 40, 30) and not ds.val_is_test
+    assert ds.train.images.shape == (120, 1, 28, 28) and ds.train.images.dtype == np.uint8
+    images, labels = make_images(40, seed=6)  # the valid split; floats round back to the original bytes
+    np.testing.assert_array_equal(ds.val.images[:, 0], images)
+    np.testing.assert_array_equal(ds.val.labels, labels)
+    assert data.load_dataset("mnist-json", str(path)).train.images.sum() == ds.train.images.sum()
+
+
+def damaged_json(kind: str) -> bytes:
+    tree = mnist_json_tree((20, 10, 10))
+    if kind == "two splits":
+        tree = tree[:2]
+    elif kind == "783 pixels":
+        tree[0][0][3] = tree[0][0][3][:-1]
+    elif kind == "pixel out of range":
+        tree[1][0][0][5] = 3.5
+    elif kind == "labels short":
+        tree[2][1] = tree[2][1][:-1]
+    elif kind == "label out of range":
+        tree[0][1][0] = 11
+    elif kind == "label not a number":
+        tree[0][1][0] = "7"
+    raw = gzip.compress(json.dumps(tree).encode())
+    if kind == "truncated gzip":
+        return raw[:-30]
+    if kind == "not json":
+        return gzip.compress(b"[[[0.1, 0.2], ")
+    if kind == "a pickle":
+        return gzip.compress(pickle.dumps(tree))
+    return raw
+
+
+JSON_DAMAGE = {
+    "two splits": "want a JSON list \\[train, valid, eval\\]",
+    "783 pixels": "train split.*784",
+    "pixel out of range": "valid split.*pixel values must lie in",
+    "labels short": "eval split.*10 images but 9 labels",
+    "label out of range": "label 11 is outside 0..9",
+    "label not a number": "labels must be a list of integers",
+    "truncated gzip": "cannot read it",
+    "not json": "not valid JSON",
+    "a pickle": "not valid JSON",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(JSON_DAMAGE))
+def test_damaged_mnist_json_names_the_file_and_the_problem(tmp_path, kind):
+    path = tmp_path / "mnist.json.gz"
+    path.write_bytes(damaged_json(kind))
+    with pytest.raises(data.DataError, match=JSON_DAMAGE[kind]) as err:
+        data.load_dataset("mnist-json", str(tmp_path))
+    assert str(path) in str(err.value)
+
+
+def test_empty_idx_file_is_refused(tmp_path):
+    from helpers import make_dataset
+
+    make_dataset(tmp_path, n_train=30, n_test=7, checksums=False)
+    (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(b"")
+    with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.gz: 0 bytes is too short"):
+        data.load_dataset("mnist", str(tmp_path))
+
+
+# ---- augmentation ----
+
+
+def test_augmentation_is_a_shift_and_maybe_a_flip_of_each_image():
+    images = np.random.RandomState(0).randint(1, 256, size=(64, 3, 32, 32)).astype(np.uint8)
+    policy = augment.POLICIES["cifar10"]
+    out = augment.shift_and_flip(images, policy, augment.batch_rng(1, 0, 0, 0))
+    assert out.shape == images.shape and out.dtype == np.uint8
+    padded = np.pad(images, ((0, 0), (0, 0), (4, 4), (4, 4)))
+    offsets, flips = set(), 0
+    for i in range(64):
+        found = [
+            (dy, dx, flip)
+            for dy in range(9)
+            for dx in range(9)
+            for flip in (False, True)
+            if np.array_equal(out[i], (lambda w: w[..., ::-1] if flip else w)(padded[i, :, dy : dy + 32, dx : dx + 32]))
+        ]
+        assert len(found) == 1, f"image {i} is not one shifted (and maybe flipped) copy of its source"
+        offsets.add(found[0][:2])
+        flips += found[0][2]
+    assert len(offsets) > 20 and 16 < flips < 48  # offsets spread over the 81, about half flipped
+
+
+def test_augmentation_is_reproducible_and_differs_by_rank_epoch_and_batch():
+    images = np.random.RandomState(0).randint(0, 256, size=(32, 3, 32, 32)).astype(np.uint8)
+    policy = augment.POLICIES["cifar10"]
+
+    def draw(seed, rank, epoch, batch):
+        return augment.shift_and_flip(images, policy, augment.batch_rng(seed, rank, epoch, batch))
+
+    np.testing.assert_array_equal(draw(42, 1, 3, 7), draw(42, 1, 3, 7))
+    for other in ((43, 1, 3, 7), (42, 0, 3, 7), (42, 1, 4, 7), (42, 1, 3, 8)):
+        assert not np.array_equal(draw(*other), draw(42, 1, 3, 7)), other
+
+
+def test_digits_are_shifted_but_never_mirrored():
+    images = np.zeros((200, 1, 28, 28), np.uint8)
+    images[:, 0, 10:18, 3] = 255  # a bar near the left edge: a mirror would move it past the middle
+    out = augment.shift_and_flip(images, augment.POLICIES["mnist"], augment.batch_rng(0, 0, 0, 0))
+    columns = out.max(axis=(1, 2)).argmax(axis=1)
+    assert set(columns.tolist()) == {1, 2, 3, 4, 5}
+
+
+def test_batches_resume_mid_epoch_with_the_same_augmentation():
+    split = data.Split(*make_colour_images(40, seed=1))
+    ds = data.Dataset("cifar10", split, split, split, (0.5,) * 3, (0.25,) * 3, tuple("abcdefghij"))
+    plan = data.AugmentPlan(augment.POLICIES["cifar10"], seed=5, rank=1, epoch=2)
+    index_batches = [np.arange(k * 8, k * 8 + 8) for k in range(5)]
+    whole = list(data.batches(split, ds, index_batches, plan))
+    resumed = list(data.batches(split, ds, index_batches[3:], plan, first=3))
+    for a, b in zip(whole[3:], resumed):
+        np.testing.assert_array_equal(a[0], b[0])
+    plain = next(data.batches(split, ds, index_batches[:1]))[0]
+    np.testing.assert_array_equal(plain, data.normalise(split.images[:8], ds.mean, ds.std))
+    assert not np.array_equal(plain, whole[0][0])
+
+
+# ---- through the trainer ----
+
+TINY = ["--log-every", "0", "--lr", "0.01", "--epochs", "2"]
+
+
+def test_two_workers_train_on_a_cifar10_archive(tmp_path):
+    write_cifar_archive(tmp_path / "c" / ARCHIVE, cifar_members(n_per_batch=64, n_test=50))
+    args = [*TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--output-dir", str(tmp_path / "o")]
+    proc = run_launch(args, cwd=tmp_path, log_dir=tmp_path / "log")
+    assert proc.returncode == 0, explain(proc, tmp_path / "log")
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_count"] for r in rows] == [50, 50] and rows[-1]["step"] == 4  # 320 images / 128 per step
+    assert all(0 <= r["input_wait_share"] < 1 for r in rows)
+    result = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert result["test_count"] == 50 and result["peak_rss_mb"] > 0
+    for rank in (0, 1):
+        text = worker_log(tmp_path / "log", rank)
+        assert "dataset cifar10 (3x32x32, 10 classes): train 320 of 320" in text
+        assert "augmentation random shifts of up to 4 px and horizontal flips" in text
+        assert "input wait" in text
+
+
+def test_mnist_json_validates_on_valid_and_tests_on_eval(tmp_path):
+    write_mnist_json(tmp_path / "j" / "mnist.json.gz", mnist_json_tree((256, 40, 30)))
+    args = [*TINY, "--dataset", "mnist-json", "--data-dir", str(tmp_path / "j"), "--output-dir", str(tmp_path / "o")]
+    proc = run_single(args, cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["val_count"] for r in rows] == [40, 40]
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["test_count"] == 30
+    assert "validation 40 of 40, test 30 of 30" in proc.stdout
+
+
+def test_a_damaged_archive_stops_the_run_before_anything_is_written(tmp_path):
+    write_cifar_archive(tmp_path / "c" / ARCHIVE, damaged_cifar("label out of range"))
+    args = [*TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--output-dir", str(tmp_path / "o")]
+    proc = run_launch(args, cwd=tmp_path, log_dir=tmp_path / "log")
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        errors = [line for line in worker_log(tmp_path / "log", rank).splitlines() if "error:" in line]
+        assert len(errors) == 1 and "data_batch_2: label 10 is outside 0..9" in errors[0], errors
+    assert not (tmp_path / "o").exists()
