@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, make_dataset, make_images, write_idx
+from helpers import REPO, explain, make_dataset, make_images, write_idx
 
 from paddle_mnist.formats import read_idx, read_mnist_json
 
@@ -98,10 +98,6 @@ def write_md5s(folder: Path, to: Path) -> Path:
     """A --checksums file holding the MD5s of the files we serve, standing in for the published ones."""
     to.write_text("".join(f"{md5(folder / n)}  {n}\n" for n in IDX))
     return to
-
-
-def explain(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
 
 
 def test_fetches_verifies_places_then_skips(server, tmp_path):
