@@ -11,8 +11,10 @@ import importlib
 import io
 import json
 import pickle
+import re
 import tarfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -219,39 +221,112 @@ def read_cifar10(path: Path) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.nd
 # ---- mnist.json.gz of the PaddlePaddle course: [train, valid, eval], each [images, labels] ----
 
 MNIST_JSON_SPLITS = ("train", "valid", "eval")
+_SPACE = re.compile(r"[ \t\n\r]*")
 
 
-def _json_images(images: list, where: str) -> np.ndarray:
+class _JsonCursor:
+    """Walks the course file's nested lists one image at a time with the standard JSON decoder.
+
+    json.loads of the whole file would build some 55 million Python floats (about 3 GB per worker, and
+    the allocator keeps much of it afterwards); decoding image by image keeps only the text and the arrays.
+    """
+
+    def __init__(self, text: str, path: Path):
+        self.text, self.path, self.pos = text, path, 0
+        self.decoder = json.JSONDecoder()
+
+    def fail(self, what: str) -> DataError:
+        return DataError(f"{self.path}: not valid JSON for this format: {what} at character {self.pos}")
+
+    def next_char(self) -> str:
+        self.pos = _SPACE.match(self.text, self.pos).end()
+        return self.text[self.pos : self.pos + 1]
+
+    def take(self, char: str, what: str) -> None:
+        if self.next_char() != char:
+            raise self.fail(f"expected {char!r} opening {what}")
+        self.pos += 1
+
+    def items(self, what: str) -> Iterator[int]:
+        """Yield 0, 1, ... with the cursor on each element of a JSON list."""
+        self.take("[", what)
+        if self.next_char() == "]":
+            self.pos += 1
+            return
+        k = 0
+        while True:
+            yield k
+            k += 1
+            char = self.next_char()
+            self.pos += 1
+            if char == "]":
+                return
+            if char != ",":
+                self.pos -= 1
+                raise self.fail(f"expected ',' or ']' in {what}")
+
+    def value(self) -> object:
+        self.next_char()
+        try:
+            value, self.pos = self.decoder.raw_decode(self.text, self.pos)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{self.path}: not valid JSON ({e}); download or rebuild the file") from e
+        return value
+
+    def end(self) -> None:
+        if self.next_char():
+            raise self.fail("unexpected text after the data")
+
+
+def _json_row(row: object, where: str, index: int) -> np.ndarray:
+    if not isinstance(row, list) or len(row) != 784:
+        size = len(row) if isinstance(row, list) else type(row).__name__
+        raise DataError(f"{where}: image {index} has {size} values, want 784 (a flat 28 x 28 image)")
     try:
-        x = np.asarray(images, dtype=np.float32)
+        return np.asarray(row, dtype=np.float32)
     except (ValueError, TypeError) as e:
-        raise DataError(f"{where}: images must be lists of 784 numbers ({e})") from e
-    if x.ndim != 2 or x.shape[1] != 784:
-        raise DataError(f"{where}: images have shape {x.shape}, want (N, 784): flat 28 x 28 images")
-    if not np.isfinite(x).all() or x.min() < -1.0 or x.max() > 1.0:
+        raise DataError(f"{where}: image {index} holds something other than numbers ({e})") from e
+
+
+def _json_images(rows: list[np.ndarray], where: str) -> np.ndarray:
+    x = np.stack(rows) if rows else np.zeros((0, 784), np.float32)
+    rows.clear()
+    if len(x) and (not np.isfinite(x).all() or x.min() < -1.0 or x.max() > 1.0):
         raise DataError(f"{where}: pixel values must lie in [0, 1] or [-1, 1], found {x.min():.3g}..{x.max():.3g}")
-    if x.min() < 0:  # the [-1, 1] convention
-        x = (x + 1.0) / 2.0
-    return np.rint(x * 255.0).astype(np.uint8).reshape(-1, 1, 28, 28)
+    if len(x) and x.min() < 0:  # the [-1, 1] convention
+        x += 1.0
+        x *= 0.5
+    x *= 255.0
+    return np.rint(x, out=x).astype(np.uint8).reshape(-1, 1, 28, 28)
 
 
 def read_mnist_json(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{'train', 'valid', 'eval'} -> (uint8 images, int64 labels). Parsed as JSON only, never executed."""
     try:
-        tree = json.loads(read_bytes(path))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: not valid JSON ({e}); download or rebuild the file") from e
-    if not isinstance(tree, list) or len(tree) != 3:
-        raise DataError(f"{path}: want a JSON list [train, valid, eval], found {type(tree).__name__}")
+        text = read_bytes(path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid JSON (not UTF-8 text: {e}); download or rebuild the file") from e
+    cursor = _JsonCursor(text, path)
     out = {}
-    for name, part in zip(MNIST_JSON_SPLITS, tree):
-        where = f"{path} ({name} split)"
-        if not isinstance(part, list) or len(part) != 2:
+    for k in cursor.items("the [train, valid, eval] list"):
+        if k >= len(MNIST_JSON_SPLITS):
+            raise DataError(f"{path}: want a JSON list [train, valid, eval], found more than three splits")
+        where = f"{path} ({MNIST_JSON_SPLITS[k]} split)"
+        rows: list[np.ndarray] = []
+        labels = None
+        for part in cursor.items(f"the {MNIST_JSON_SPLITS[k]} split [images, labels]"):
+            if part == 0:
+                rows = [_json_row(cursor.value(), where, i) for i in cursor.items(f"{where} images")]
+            elif part == 1:
+                labels = cursor.value()
+            else:
+                raise DataError(f"{where}: want [images, labels], found more than two parts")
+        if labels is None:
             raise DataError(f"{where}: want [images, labels]")
-        images = _json_images(part[0], where)
-        labels = part[1]
         if not isinstance(labels, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in labels):
             raise DataError(f"{where}: labels must be a list of integers")
-        out[name] = check_pair(images, np.asarray(labels, dtype=np.int64), where)
-        part.clear()  # let the parsed floats go before the next split is converted
+        out[MNIST_JSON_SPLITS[k]] = check_pair(_json_images(rows, where), np.asarray(labels, np.int64), where)
+    cursor.end()
+    if len(out) != len(MNIST_JSON_SPLITS):
+        raise DataError(f"{path}: want a JSON list [train, valid, eval], found {len(out)} split(s)")
     return out

@@ -197,6 +197,18 @@ def test_mnist_json_keeps_its_validation_split(tmp_path, signed):
     assert data.load_dataset("mnist-json", str(path)).train.images.sum() == ds.train.images.sum()
 
 
+def test_mnist_json_with_any_json_spacing_reads_the_same(tmp_path):
+    tree = mnist_json_tree((20, 10, 10))
+    compact = write_mnist_json(tmp_path / "a" / "mnist.json.gz", tree)
+    spaced = tmp_path / "b" / "mnist.json.gz"
+    spaced.parent.mkdir()
+    spaced.write_bytes(gzip.compress(("\n " + json.dumps(tree, indent=1) + " \n").encode()))
+    a, b = formats.read_mnist_json(compact), formats.read_mnist_json(spaced)
+    for name in formats.MNIST_JSON_SPLITS:
+        np.testing.assert_array_equal(a[name][0], b[name][0])
+        np.testing.assert_array_equal(a[name][1], b[name][1])
+
+
 def damaged_json(kind: str) -> bytes:
     tree = mnist_json_tree((20, 10, 10))
     if kind == "two splits":
@@ -211,11 +223,15 @@ def damaged_json(kind: str) -> bytes:
         tree[0][1][0] = 11
     elif kind == "label not a number":
         tree[0][1][0] = "7"
+    elif kind == "four splits":
+        tree.append(tree[0])
+    elif kind == "image not a list":
+        tree[1][0][2] = 0.5
     raw = gzip.compress(json.dumps(tree).encode())
     if kind == "truncated gzip":
         return raw[:-30]
     if kind == "not json":
-        return gzip.compress(b"[[[0.1, 0.2], ")
+        return gzip.compress(b"[[[[0.1, 0.2, ")
     if kind == "a pickle":
         return gzip.compress(pickle.dumps(tree))
     return raw
@@ -228,6 +244,8 @@ JSON_DAMAGE = {
     "labels short": "eval split.*10 images but 9 labels",
     "label out of range": "label 11 is outside 0..9",
     "label not a number": "labels must be a list of integers",
+    "four splits": "found more than three splits",
+    "image not a list": "valid split.*image 2 has float values, want 784",
     "truncated gzip": "cannot read it",
     "not json": "not valid JSON",
     "a pickle": "not valid JSON",
