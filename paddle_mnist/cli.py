@@ -12,7 +12,7 @@ import numpy as np
 import paddle
 
 from . import augment, checkpoint, data, distributed, engine
-from .config import Config, ConfigError, parse_args, resolve_for_world
+from .config import Config, ConfigError, effective_lr, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
 from .log import get_logger, memory_mb
 from .models import build_model, count_parameters
@@ -36,10 +36,17 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
         f"backend {env.backend}, device {env.device}"
     )
+    per_worker = cfg.batch_size // env.world_size
+    micro = f" ({cfg.accum_steps} micro-batches of {per_worker // cfg.accum_steps})" if cfg.accum_steps > 1 else ""
+    lr = effective_lr(cfg)
+    scaled = (
+        f" = {cfg.lr} x {cfg.batch_size}/{cfg.reference_batch} (linear scaling)" if cfg.lr_scaling == "linear" else ""
+    )
+    warmup = f", warmup {cfg.warmup_epochs:g} epochs" if cfg.warmup_epochs else ""
     log.info(
-        f"batch: {cfg.batch_size // env.world_size} per worker, {cfg.batch_size} global; "
-        f"lr {cfg.lr} ({cfg.lr_schedule}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
-        f"epochs {cfg.epochs}"
+        f"batch: {per_worker} per worker{micro}, {cfg.batch_size} global; "
+        f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
+        f"epochs {cfg.epochs}" + (f", amp {cfg.amp}" if cfg.amp != "off" else "")
     )
     c, h, w = ds.image_shape
     split_text = (
@@ -64,7 +71,7 @@ def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     return f"random shifts of up to {policy.pad} px" + (" and horizontal flips" if policy.flip else "")
 
 
-def _checkpoint_state(model, opt, sched, cfg: Config, epoch: int, batch_in_epoch: int, step: int) -> dict:
+def _checkpoint_state(model, opt, sched, scaler, cfg: Config, epoch: int, batch_in_epoch: int, step: int) -> dict:
     """epoch counts whole epochs done; batch_in_epoch the batches of the next one already trained."""
     return {
         "model": distributed.unwrap(model).state_dict(),
@@ -75,10 +82,11 @@ def _checkpoint_state(model, opt, sched, cfg: Config, epoch: int, batch_in_epoch
         "step": step,
         "rng": {"paddle": paddle.get_rng_state(), "numpy": np.random.get_state()},
         "config": dataclasses.asdict(cfg),
+        "scaler": scaler.state_dict() if scaler else None,  # fp16 loss scale, so a resumed run keeps it
     }
 
 
-def _restore(path, model, opt, sched, cfg: Config) -> tuple[int, int, int]:
+def _restore(path, model, opt, sched, scaler, cfg: Config) -> tuple[int, int, int]:
     state = checkpoint.load(path)
     saved = state.get("config", {})
     for key in ("model", "dataset", "batch_size"):
@@ -91,6 +99,8 @@ def _restore(path, model, opt, sched, cfg: Config) -> tuple[int, int, int]:
     model.set_state_dict(state["model"])
     opt.set_state_dict(state["optimizer"])
     sched.set_state_dict(state["lr_scheduler"])
+    if scaler and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
     paddle.set_rng_state(state["rng"]["paddle"])
     np.random.set_state(state["rng"]["numpy"])
     return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"])
@@ -138,6 +148,13 @@ def _log_epoch(log: logging.Logger, cfg: Config, row: dict) -> None:
 
 
 def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
+    if cfg.amp == "fp16" and env.device == "cpu":
+        raise ConfigError(
+            "--amp fp16 needs a GPU: Paddle's CPU kernels compute in float32 or bfloat16; "
+            "use --amp bf16 or --amp off on CPU"
+        )
+    if cfg.sync_bn and (problem := distributed.sync_bn_problem(env)):
+        raise ConfigError(problem)
     threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
     if env.device == "cpu":
         distributed.apply_cpu_threads(threads)
@@ -155,17 +172,20 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     np.random.seed(cfg.seed)
     model = build_model(cfg.model, len(ds.classes), ds.image_shape)
     log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
+    if cfg.sync_bn:
+        model = distributed.convert_sync_bn(model, env)
     sampler = engine.make_sampler(len(train), cfg, env)
     steps_per_epoch = len(sampler)
     # the schedule is planned over --epochs; --max-steps only stops early, so a stopped run can be resumed exactly
     planned = cfg.epochs * steps_per_epoch
     last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
-    opt, sched = engine.make_optimizer(cfg, model, planned)
+    opt, sched = engine.make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
+    scaler = engine.make_scaler(cfg)
 
     start_epoch = skip = step = 0
     ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume != "no" else []
     if ckpts:
-        start_epoch, skip, step = _restore(ckpts[-1], model, opt, sched, cfg)
+        start_epoch, skip, step = _restore(ckpts[-1], model, opt, sched, scaler, cfg)
         log.info(f"resumed from {ckpts[-1]}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
     files.start(start_epoch if ckpts else None)
@@ -186,10 +206,12 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
                 if files.enabled and every and at_step % every == 0 and batch < steps_per_epoch:
                     # never let diverged weights push a good checkpoint out; the next loss check stops every rank
                     if np.isfinite(float(loss_sum)) and _weights_finite(model):
-                        files.save_checkpoint(_checkpoint_state(model, opt, sched, cfg, epoch, batch, at_step))
+                        files.save_checkpoint(_checkpoint_state(model, opt, sched, scaler, cfg, epoch, batch, at_step))
 
             plan = engine.EpochPlan(epoch, skip, step, last_step)
-            stats = engine.train_one_epoch(model, opt, sched, train, sampler, ds, cfg, env, log, plan, after_step)
+            stats = engine.train_one_epoch(
+                model, opt, sched, train, sampler, ds, cfg, env, log, plan, after_step, scaler=scaler
+            )
             step += stats.steps
             done = skip + stats.steps
             skip = 0
@@ -201,11 +223,12 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             files.append_metrics(row)
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
-                state = _checkpoint_state(model, opt, sched, cfg, epoch + whole, 0 if whole else done, step)
+                state = _checkpoint_state(model, opt, sched, scaler, cfg, epoch + whole, 0 if whole else done, step)
                 files.save_checkpoint(state)
 
     net = distributed.unwrap(model)
     files.save_weights(net)
+    files.export_inference(net, ds)
     files.finish()
     if val is not None and ds.val_is_test:
         final = val  # the last epoch's evaluation: same weights, same images

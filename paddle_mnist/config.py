@@ -10,8 +10,10 @@ from pathlib import Path
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
 AUGMENTED_BY_DEFAULT = ("cifar10",)  # the tutorials augmented CIFAR-10; MNIST-type data trains well without
-MODELS = ("mnist_cnn",)
+MODELS = ("mnist_cnn", "minigooglenet", "cifar_cnn")
 LR_SCHEDULES = ("poly", "constant")
+LR_SCALING = ("none", "linear")
+AMP = ("off", "fp16", "bf16")
 PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
 
 
@@ -31,6 +33,12 @@ class Config:
     eval_batch_size: int = 1000
     lr: float = 0.05
     lr_schedule: str = "poly"
+    warmup_epochs: float = 0.0
+    lr_scaling: str = "none"  # "linear": lr x global batch / reference_batch
+    reference_batch: int = PER_WORKER_BATCH
+    accum_steps: int = 1  # micro-batches per optimizer step
+    sync_bn: bool = False
+    amp: str = "off"
     momentum: float = 0.9
     weight_decay: float = 5e-4
     seed: int = 42
@@ -109,6 +117,36 @@ def build_parser() -> argparse.ArgumentParser:
         choices=LR_SCHEDULES,
         help="poly: linear decay to 0 over the planned steps (power 1); constant: no decay",
     )
+    p.add_argument(
+        "--warmup-epochs",
+        type=float,
+        default=d.warmup_epochs,
+        help="raise the learning rate linearly from 0 over this many epochs, then decay as --lr-schedule says",
+    )
+    p.add_argument(
+        "--lr-scaling",
+        default=d.lr_scaling,
+        choices=LR_SCALING,
+        help="linear: multiply --lr by global batch / --reference-batch (for a global batch that grows with workers)",
+    )
+    _add_count(p, "--reference-batch", "the global batch --lr was tuned for (used by --lr-scaling linear)")
+    _add_count(
+        p,
+        "--accum-steps",
+        "build each optimizer step from this many micro-batches per worker (memory per micro-batch shrinks; "
+        "gradients are all-reduced once per step)",
+    )
+    p.add_argument(
+        "--sync-bn",
+        action="store_true",
+        help="batch norm statistics over the whole global batch instead of each worker's shard (GPU only)",
+    )
+    p.add_argument(
+        "--amp",
+        default=d.amp,
+        choices=AMP,
+        help="mixed precision: fp16 (GPU, with loss scaling) or bf16; off: float32",
+    )
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
@@ -154,21 +192,34 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
     if cfg.epochs == 0:
         raise ConfigError("--epochs must be at least 1")
+    if cfg.warmup_epochs < 0 or cfg.warmup_epochs >= cfg.epochs:
+        raise ConfigError(
+            f"--warmup-epochs must be at least 0 and below --epochs {cfg.epochs}, got {cfg.warmup_epochs}"
+        )
+    if cfg.accum_steps == 0 or cfg.reference_batch == 0:
+        raise ConfigError("--accum-steps and --reference-batch must be at least 1")
     if cfg.keep_checkpoints == 0:
         raise ConfigError("--keep-checkpoints must be at least 1: resuming needs the last checkpoint")
     return cfg
 
 
 def resolve_for_world(cfg: Config, world_size: int) -> Config:
-    """Fix the global batch for this many workers and check that it splits evenly."""
+    """Fix the global batch for this many workers and check that it splits evenly into micro-batches."""
     batch = cfg.batch_size or PER_WORKER_BATCH * world_size
-    if batch % world_size:
-        lower = batch - batch % world_size
+    parts = world_size * cfg.accum_steps
+    if batch % parts:
+        lower = batch - batch % parts
+        into = f"the {world_size} workers" + (f" x {cfg.accum_steps} accumulation steps" if cfg.accum_steps > 1 else "")
         raise ConfigError(
-            f"--batch-size {batch} does not divide by the {world_size} workers: "
-            f"pass a multiple of {world_size}, e.g. --batch-size {lower or world_size}"
+            f"--batch-size {batch} does not divide by {into}: "
+            f"pass a multiple of {parts}, e.g. --batch-size {lower or parts}"
         )
     return dataclasses.replace(cfg, batch_size=batch)
+
+
+def effective_lr(cfg: Config) -> float:
+    """The base learning rate after --lr-scaling: the peak the warmup climbs to and the decay starts from."""
+    return cfg.lr * cfg.batch_size / cfg.reference_batch if cfg.lr_scaling == "linear" else cfg.lr
 
 
 def load_config(path: Path) -> Config:

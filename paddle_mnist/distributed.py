@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -109,9 +110,34 @@ def setup() -> DistEnv:
     return DistEnv(rank, world, local_rank, local_size, backend, device)
 
 
+def sync_bn_problem(env: DistEnv) -> str | None:
+    """Why --sync-bn cannot be honoured here, or None."""
+    if env.device == "cpu" and env.world_size > 1:
+        return (
+            "--sync-bn: Paddle has no CPU kernel for SyncBatchNorm (sync_batch_norm), so it works on GPUs only; "
+            "drop --sync-bn on CPU (each worker then normalises its own shard of the batch)"
+        )
+    return None
+
+
+def convert_sync_bn(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
+    """Batch norm layers become SyncBatchNorm (same parameters), normalising over the whole global batch.
+
+    One worker already sees the whole batch, so there is nothing to convert. Check sync_bn_problem first.
+    """
+    return paddle.nn.SyncBatchNorm.convert_sync_batchnorm(model) if env.world_size > 1 else model
+
+
 def wrap(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
     """DataParallel for more than one worker: it broadcasts rank 0's weights, then averages gradients."""
     return paddle.DataParallel(model) if env.world_size > 1 else model
+
+
+def gradient_sync(model: paddle.nn.Layer, sync: bool):
+    """A context for one backward pass: all-reduce its gradients (sync) or keep them local (DataParallel.no_sync)."""
+    if sync or not isinstance(model, paddle.DataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
 
 
 def unwrap(model: paddle.nn.Layer) -> paddle.nn.Layer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -14,8 +15,8 @@ import paddle
 import paddle.nn.functional as F
 
 from . import augment, data
-from .config import Config
-from .distributed import DistEnv, all_reduce_max, all_reduce_sum, unwrap
+from .config import Config, effective_lr
+from .distributed import DistEnv, all_reduce_max, all_reduce_sum, gradient_sync, unwrap
 from .log import ProgressBar
 
 
@@ -73,11 +74,19 @@ def make_sampler(n: int, cfg: Config, env: DistEnv) -> paddle.io.DistributedBatc
     )
 
 
-def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int):
-    if cfg.lr_schedule == "poly":
-        sched = paddle.optimizer.lr.PolynomialDecay(cfg.lr, decay_steps=max(total_steps, 1), end_lr=0.0, power=1.0)
-    else:  # a decay from lr to lr: constant, with the same state_dict shape as poly
-        sched = paddle.optimizer.lr.PolynomialDecay(cfg.lr, decay_steps=1, end_lr=cfg.lr, power=1.0)
+def make_schedule(cfg: Config, total_steps: int, warmup_steps: int) -> paddle.optimizer.lr.LRScheduler:
+    """Linear warmup from 0 (if any), then poly (power 1: linear to 0 at the last planned step) or constant."""
+    peak = effective_lr(cfg)
+    decay_steps = max(total_steps - warmup_steps, 1)
+    end = 0.0 if cfg.lr_schedule == "poly" else peak  # constant: a decay from peak to peak
+    sched = paddle.optimizer.lr.PolynomialDecay(peak, decay_steps=decay_steps, end_lr=end, power=1.0)
+    if warmup_steps:
+        sched = paddle.optimizer.lr.LinearWarmup(sched, warmup_steps=warmup_steps, start_lr=0.0, end_lr=peak)
+    return sched
+
+
+def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup_steps: int = 0):
+    sched = make_schedule(cfg, total_steps, warmup_steps)
     decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
     opt = paddle.optimizer.Momentum(
         learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay
@@ -97,6 +106,7 @@ def train_one_epoch(
     log: logging.Logger,
     plan: EpochPlan,
     on_step: Callable[[int, int, paddle.Tensor], None] | None = None,
+    scaler: paddle.amp.GradScaler | None = None,
 ) -> EpochStats:
     """Train until the sampler is exhausted or the last step is done; figures are summed over workers.
 
@@ -118,15 +128,10 @@ def train_one_epoch(
         t0 = time.perf_counter()
         images, labels = next(batches)
         wait += time.perf_counter() - t0
-        x, y = paddle.to_tensor(images), paddle.to_tensor(labels)
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
+        loss, batch_loss_sum, batch_correct = train_step(model, opt, scaler, images, labels, cfg)
         sched.step()
-        loss_sum += loss.detach() * len(labels)
-        correct += (logits.argmax(axis=1) == y).astype("int64").sum()
+        loss_sum += batch_loss_sum
+        correct += batch_correct
         seen += len(labels)
         if on_step is not None:
             on_step(skip + steps, plan.first_step + steps, loss_sum)
@@ -152,6 +157,47 @@ def train_one_epoch(
         seconds=seconds,
         input_wait=wait,
     )
+
+
+def amp_context(cfg: Config):
+    """auto_cast for --amp fp16/bf16; a context that changes nothing when it is off."""
+    if cfg.amp == "off":
+        return contextlib.nullcontext()
+    return paddle.amp.auto_cast(dtype={"fp16": "float16", "bf16": "bfloat16"}[cfg.amp], level="O1")
+
+
+def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
+    """float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none."""
+    return paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.amp == "fp16" else None
+
+
+def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: Config):
+    """One optimizer step over --accum-steps micro-batches; (last micro-batch loss, summed loss, correct).
+
+    Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
+    mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
+    backward pass (DataParallel's no_sync for the others).
+    """
+    k = cfg.accum_steps
+    loss_sum = paddle.zeros([], dtype="float32")
+    correct = paddle.zeros([], dtype="int64")
+    for i, (xs, ys) in enumerate(zip(np.split(images, k), np.split(labels, k))):
+        x, y = paddle.to_tensor(xs), paddle.to_tensor(ys)
+        with gradient_sync(model, i == k - 1):
+            with amp_context(cfg):
+                logits = model(x)
+                loss = F.cross_entropy(logits.astype("float32"), y)
+            part = loss / k if k > 1 else loss
+            (scaler.scale(part) if scaler else part).backward()
+        loss_sum += loss.detach() * len(ys)
+        correct += (logits.argmax(axis=1) == y).astype("int64").sum()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.clear_grad()
+    return loss, loss_sum, correct
 
 
 def check_finite(loss_sum: float, step: int, lr: float, env: DistEnv) -> None:

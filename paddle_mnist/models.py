@@ -1,4 +1,4 @@
-"""The networks, chosen by name."""
+"""The networks, chosen by name: the tutorial CNN, MiniGoogLeNet and the Keras CIFAR-10 example CNN."""
 
 from __future__ import annotations
 
@@ -25,7 +25,109 @@ class MnistCNN(nn.Layer):
         return self.fc(paddle.flatten(self.features(x), 1))
 
 
-MODELS = {"mnist_cnn": MnistCNN}
+def conv_module(in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
+    """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this)."""
+    pad = kernel // 2 if padding == "same" else 0
+    return nn.Sequential(
+        nn.Conv2D(in_channels, out_channels, kernel, stride=stride, padding=pad),
+        nn.BatchNorm2D(out_channels),
+        nn.ReLU(),
+    )
+
+
+class Inception(nn.Layer):
+    """A 1x1 and a 3x3 conv module side by side, concatenated on channels."""
+
+    def __init__(self, in_channels: int, k1: int, k3: int):
+        super().__init__()
+        self.b1 = conv_module(in_channels, k1, 1)
+        self.b3 = conv_module(in_channels, k3, 3)
+        self.out_channels = k1 + k3
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.concat([self.b1(x), self.b3(x)], axis=1)
+
+
+class Downsample(nn.Layer):
+    """A stride-2 3x3 conv module beside a stride-2 3x3 max-pool (both unpadded), concatenated on channels."""
+
+    def __init__(self, in_channels: int, k: int):
+        super().__init__()
+        self.conv = conv_module(in_channels, k, 3, stride=2, padding="valid")
+        self.pool = nn.MaxPool2D(3, stride=2)
+        self.out_channels = k + in_channels
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.concat([self.conv(x), self.pool(x)], axis=1)
+
+
+class MiniGoogLeNet(nn.Layer):
+    """The Keras multi-GPU tutorial's MiniGoogLeNet for 32x32x3 CIFAR-10 (any size of at least 28 works)."""
+
+    # (kind, sizes) in order; "i" is an inception module (1x1 filters, 3x3 filters), "d" a downsample module
+    PLAN = (
+        ("i", (32, 32)),
+        ("i", (32, 48)),
+        ("d", (80,)),
+        ("i", (112, 48)),
+        ("i", (96, 64)),
+        ("i", (80, 80)),
+        ("i", (48, 96)),
+        ("d", (96,)),
+        ("i", (176, 160)),
+        ("i", (176, 160)),
+    )
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32):
+        super().__init__()
+        if image_size < 28:
+            raise ValueError(f"minigooglenet needs images of at least 28x28, got {image_size}")
+        layers = [conv_module(in_channels, 96, 3)]
+        channels = 96
+        for kind, sizes in self.PLAN:
+            block = Inception(channels, *sizes) if kind == "i" else Downsample(channels, *sizes)
+            layers.append(block)
+            channels = block.out_channels
+        self.features = nn.Sequential(*layers)
+        # the tutorial's 7x7 average pool covers the whole 7x7 map left of a 32x32 input; pooling globally
+        # is the same there and also fits 28x28 inputs (6x6 maps)
+        self.pool = nn.AdaptiveAvgPool2D(1)
+        self.dropout = nn.Dropout(0.5)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        x = paddle.flatten(self.pool(self.features(x)), 1)
+        return self.fc(self.dropout(x))
+
+
+class CifarCNN(nn.Layer):
+    """The Keras CIFAR-10 example CNN: two (conv, conv, pool, dropout) blocks of 32 and 64 filters, dense 512."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> list[nn.Layer]:
+            # Keras: the first conv pads ("same"), the second does not ("valid")
+            return [
+                nn.Conv2D(cin, cout, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2D(cout, cout, 3),
+                nn.ReLU(),
+                nn.MaxPool2D(2, 2),
+                nn.Dropout(0.25),
+            ]
+
+        self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
+        side = ((image_size - 2) // 2 - 2) // 2
+        self.classifier = nn.Sequential(
+            nn.Linear(64 * side * side, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes)
+        )
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.classifier(paddle.flatten(self.features(x), 1))
+
+
+MODELS = {"mnist_cnn": MnistCNN, "minigooglenet": MiniGoogLeNet, "cifar_cnn": CifarCNN}
 
 
 def build_model(name: str, num_classes: int = 10, image_shape: tuple[int, int, int] = (1, 28, 28)) -> nn.Layer:
@@ -37,4 +139,5 @@ def build_model(name: str, num_classes: int = 10, image_shape: tuple[int, int, i
 
 
 def count_parameters(model: nn.Layer) -> int:
-    return sum(int(p.size) for p in model.parameters())
+    """Trainable parameters (batch norm running statistics are buffers, not counted)."""
+    return sum(int(p.size) for p in model.parameters() if not p.stop_gradient)

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import paddle
 
-from . import checkpoint, plots
+from . import checkpoint, data, export, plots
 from .config import Config
 from .distributed import DistEnv
 
-RESULT_FILES = ("metrics.jsonl", "model.pdparams", checkpoint.CKPT_DIR)
+RESULT_FILES = ("metrics.jsonl", "model.pdparams", "inference_meta.json", checkpoint.CKPT_DIR)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -65,8 +65,8 @@ class RunFiles:
         metrics = self.out / "metrics.jsonl"
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
-            for old in checkpoint.list_checkpoints(self.out):
-                old.unlink()
+            for old in [*checkpoint.list_checkpoints(self.out), *self.out.glob("inference*")]:
+                old.unlink()  # an earlier run's export must not pass for this run's
         elif metrics.is_file():
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
@@ -100,6 +100,11 @@ class RunFiles:
     def save_weights(self, model: paddle.nn.Layer) -> None:
         if self.enabled:
             checkpoint.save_atomic(model.state_dict(), self.out / "model.pdparams")
+
+    def export_inference(self, net: paddle.nn.Layer, ds: data.Dataset) -> None:
+        """The unwrapped network for python -m paddle_mnist.predict --model OUTPUT_DIR/inference."""
+        if self.enabled:
+            export.export_inference(net, ds, self.out / "inference")
 
     def write_json(self, name: str, obj: dict) -> None:
         if self.enabled:

@@ -74,7 +74,7 @@ def test_worker_logs_are_rank_tagged(one_and_two):
 
 def test_outputs_are_written_by_rank_zero(one_and_two):
     out = one_and_two / "two"
-    for name in ("config.json", "metrics.jsonl", "model.pdparams", "curves.png", "results.json"):
+    for name in ("config.json", "metrics.jsonl", "model.pdparams", "curves.png", "results.json", "inference_meta.json"):
         assert (out / name).is_file(), name
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert len(list((out / "checkpoints").glob("step_*.pdckpt"))) == 2

@@ -1,0 +1,164 @@
+"""Classify image files with an exported model: python -m paddle_mnist.predict --model PREFIX --image a.png ..."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+# Before Paddle loads: its C++ INFO lines and a build-tool warning would bury the results and errors on stderr.
+os.environ.setdefault("GLOG_minloglevel", "2")
+warnings.filterwarnings("ignore", message="No ccache found")
+
+import numpy as np  # noqa: E402
+import paddle  # noqa: E402
+from PIL import Image, ImageOps, UnidentifiedImageError  # noqa: E402
+
+from . import data  # noqa: E402
+from .export import ExportError, load_exported  # noqa: E402
+
+MODES = {1: "L", 3: "RGB"}
+BATCH = 256  # images per forward pass, so memory stays flat however many files are given
+UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # what Pillow raises on bad files
+
+
+def load_image(path: str | os.PathLike, image_shape: Sequence[int]) -> np.ndarray:
+    """uint8 (C, H, W) as the model takes it, from any image file Pillow reads, of any size and mode.
+
+    The picture is turned upright by its EXIF orientation; transparency is flattened onto white, as a viewer
+    shows it; the result is converted to grey or RGB as the model needs and resized (stretched) to H x W.
+    """
+    channels, height, width = image_shape
+    if channels not in MODES:
+        raise ValueError(f"models of {channels} channels are not supported; 1 (grey) or 3 (RGB) are")
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im)
+        if im.mode in ("P", "PA", "LA", "RGBA") or "transparency" in im.info:
+            rgba = im.convert("RGBA")
+            im = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            im.alpha_composite(rgba)
+        im = im.convert(MODES[channels])
+        if im.size != (width, height):
+            im = im.resize((width, height), Image.Resampling.BILINEAR)
+        pixels = np.asarray(im, dtype=np.uint8)
+    return pixels.reshape(height, width, channels).transpose(2, 0, 1).copy()
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, FileNotFoundError):
+        return "no such file"
+    if isinstance(e, IsADirectoryError):
+        return "is a directory, not an image file"
+    if isinstance(e, PermissionError):
+        return "permission denied"
+    if isinstance(e, UnidentifiedImageError):
+        return "not an image Pillow can read"
+    return f"cannot read the image ({type(e).__name__}: {e})"
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def _classify(layer: paddle.nn.Layer, meta: dict, images: list[np.ndarray], top: int) -> list[list[dict]]:
+    x = data.normalise(np.stack(images), tuple(meta["mean"]), tuple(meta["std"]))
+    with paddle.no_grad():
+        probs = softmax(layer(paddle.to_tensor(x)).numpy())
+    best = np.argsort(-probs, axis=1, kind="stable")[:, :top]
+    return [
+        [{"class": int(k), "name": meta["classes"][k], "probability": float(p[k])} for k in row]
+        for p, row in zip(probs, best)
+    ]
+
+
+def predict_images(
+    layer: paddle.nn.Layer, meta: dict, paths: Sequence[str], top: int = 3, invert: bool = False
+) -> list[dict]:
+    """Per path, in order: {"image", "top": [{"class", "name", "probability"}, ...]} or {"image", "error"}.
+
+    A file that cannot be read gets an error entry; every other file is still classified.
+    """
+    results: list[dict] = []
+    for lo in range(0, len(paths), BATCH):
+        chunk = [{"image": str(p)} for p in paths[lo : lo + BATCH]]
+        loaded = []
+        for entry in chunk:
+            try:
+                image = load_image(entry["image"], meta["image_shape"])
+            except UNREADABLE as e:
+                entry["error"] = _why(e)
+                continue
+            loaded.append((entry, 255 - image if invert else image))
+        if loaded:
+            tops = _classify(layer, meta, [image for _, image in loaded], top)
+            for (entry, _), best in zip(loaded, tops):
+                entry["top"] = best
+        results.extend(chunk)
+    return results
+
+
+def format_text(result: dict) -> str:
+    best = ", ".join(f"{t['name']} ({t['class']}): {100 * t['probability']:.1f}%" for t in result["top"])
+    return f"{result['image']}: {best}"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m paddle_mnist.predict",
+        description="Classify image files (PNG, JPEG, ... any size, grey or colour) with a model the trainer "
+        "exported. Each image is converted to the model's channels and stretched to its size.",
+        epilog="Exit status: 0 when every image was classified, 1 when any image could not be read (each gets "
+        "an error line; the others are still classified), 2 when the model cannot be loaded.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PREFIX",
+        help="the exported model as the trainer wrote it: OUTPUT_DIR/inference",
+    )
+    p.add_argument("--image", required=True, nargs="+", metavar="PATH", help="one or more image files")
+    p.add_argument(
+        "--top", type=int, default=3, metavar="K", help="how many of the most likely classes to show (default 3)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON list of results instead of text lines")
+    p.add_argument(
+        "--invert",
+        action="store_true",
+        help="invert the pixels first: MNIST-type models learned light strokes on a dark ground, "
+        "so pass this for dark writing on light paper",
+    )
+    args = p.parse_args(argv)
+    if args.top < 1:
+        p.error(f"--top must be at least 1, got {args.top}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 when every image was classified, 1 when any could not be read, 2 when the model cannot be loaded."""
+    args = parse_args(argv)
+    try:
+        layer, meta = load_exported(args.model)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    results = predict_images(layer, meta, args.image, min(args.top, len(meta["classes"])), args.invert)
+    for r in results:
+        if "error" in r:
+            print(f"error: {r['image']}: {r['error']}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            if "error" not in r:
+                print(format_text(r))
+    return 1 if any("error" in r for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Models and training recipes: sizes, shapes, schedules, accumulation equal to one big batch, AMP and SyncBN rules."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import paddle
+import pytest
+from helpers import cifar_members, explain, make_dataset, run_launch, run_single, worker_log, write_cifar_archive
+
+from paddle_mnist import config, engine
+from paddle_mnist.distributed import DistEnv, convert_sync_bn
+from paddle_mnist.models import MODELS, build_model, count_parameters
+
+# Trainable parameters, counted by hand from each architecture:
+# mnist_cnn: conv 1->20 5x5 (520), conv 20->20 5x5 (10,020), dense 20*7*7->10 (9,810)
+# cifar_cnn: conv 3->32 (896), 32->32 (9,248), 32->64 (18,496), 64->64 (36,928), 2304->512 (1,180,160), 512->10 (5,130)
+# minigooglenet: the Keras tutorial's summary reports 1,652,826 trainable parameters for 32x32x3 input
+EXPECTED = {
+    ("mnist_cnn", (1, 28, 28)): 20_350,
+    ("mnist_cnn", (3, 32, 32)): 24_350,
+    ("cifar_cnn", (3, 32, 32)): 1_250_858,
+    ("minigooglenet", (3, 32, 32)): 1_652_826,
+}
+
+
+@pytest.mark.parametrize("name,shape", sorted(EXPECTED))
+def test_parameter_counts(name, shape):
+    assert count_parameters(build_model(name, 10, shape)) == EXPECTED[(name, shape)]
+
+
+def test_minigooglenet_count_by_hand():
+    """Each conv module is a conv with bias plus batch norm scale and shift: k*k*cin*cout + cout + 2*cout."""
+
+    def module(cin, cout, k):
+        return k * k * cin * cout + 3 * cout
+
+    total, channels = module(3, 96, 3), 96
+    for kind, sizes in MODELS["minigooglenet"].PLAN:
+        if kind == "i":
+            total += module(channels, sizes[0], 1) + module(channels, sizes[1], 3)
+            channels = sum(sizes)
+        else:
+            total += module(channels, sizes[0], 3)
+            channels += sizes[0]
+    total += channels * 10 + 10
+    assert total == EXPECTED[("minigooglenet", (3, 32, 32))]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_forward_shapes(name, shape):
+    paddle.seed(0)
+    model = build_model(name, 10, shape)
+    model.eval()
+    assert model(paddle.rand([3, *shape])).shape == [3, 10]
+
+
+def test_minigooglenet_refuses_images_too_small_for_its_downsampling():
+    with pytest.raises(ValueError, match="at least 28x28"):
+        build_model("minigooglenet", 10, (1, 16, 16))
+
+
+def test_warmup_then_linear_decay_to_zero():
+    cfg = config.Config(lr=0.1, batch_size=128, lr_scaling="linear", reference_batch=64)
+    assert config.effective_lr(cfg) == pytest.approx(0.2)
+    sched = engine.make_schedule(cfg, total_steps=100, warmup_steps=10)
+    lrs = []
+    for _ in range(101):
+        lrs.append(sched.get_lr() if hasattr(sched, "get_lr") else sched())
+        sched.step()
+    np.testing.assert_allclose(lrs[:11], np.linspace(0, 0.2, 11), atol=1e-9)  # warmup: 0 -> peak
+    np.testing.assert_allclose(lrs[10:101], np.linspace(0.2, 0.0, 91), atol=1e-9)  # poly, power 1: peak -> 0
+
+
+def test_accumulation_must_split_the_batch_evenly():
+    cfg = config.parse_args(["--batch-size", "100", "--accum-steps", "4"])
+    with pytest.raises(
+        config.ConfigError, match=r"100 does not divide by the 2 workers x 4 .* of 8, e.g. --batch-size 96"
+    ):
+        config.resolve_for_world(cfg, 2)
+    assert config.resolve_for_world(config.parse_args(["--accum-steps", "4"]), 2).batch_size == 128
+
+
+def test_sync_bn_conversion_keeps_the_parameters():
+    """The GPU path's conversion, built (not run) on CPU: every BatchNorm2D becomes SyncBatchNorm, same weights."""
+    model = build_model("minigooglenet", 10, (3, 32, 32))
+    before = {name: p for name, p in model.named_parameters()}
+    gpu = DistEnv(0, 2, 0, 2, "nccl", "gpu:0")
+    converted = convert_sync_bn(model, gpu)
+    kinds = {type(layer).__name__ for layer in converted.sublayers()}
+    assert "SyncBatchNorm" in kinds and "BatchNorm2D" not in kinds
+    after = dict(converted.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
+    assert convert_sync_bn(model, DistEnv(0, 1, 0, 1, "none", "cpu")) is model
+
+
+@pytest.fixture(scope="module")
+def mnist_dir(tmp_path_factory):
+    return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=64)
+
+
+def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
+    """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights."""
+    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2"]
+    args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]
+    one = run_single([*args, "--output-dir", str(tmp_path / "one")], cwd=tmp_path)
+    assert one.returncode == 0, explain(one)
+    two = run_launch([*args, "--accum-steps", "3", "--output-dir", str(tmp_path / "two")], tmp_path, tmp_path / "log")
+    assert two.returncode == 0, explain(two, tmp_path / "log")
+    assert "batch: 48 per worker (3 micro-batches of 16), 96 global" in worker_log(tmp_path / "log", 1)
+    a = paddle.load(str(tmp_path / "one" / "model.pdparams"))
+    b = paddle.load(str(tmp_path / "two" / "model.pdparams"))
+    for name in a:
+        np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), atol=1e-5, rtol=0, err_msg=name)
+    assert not np.allclose(a["fc.weight"].numpy(), 0)
+
+
+def test_fp16_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path):
+    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "fp16", "--output-dir", str(tmp_path / "o")]
+    proc = run_single(args, cwd=tmp_path)
+    assert proc.returncode == 2
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and "--amp fp16 needs a GPU" in errors[0] and "--amp bf16" in errors[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_sync_bn_on_cpu_workers_is_refused(tmp_path):
+    write_cifar_archive(tmp_path / "c" / "cifar-10-python.tar.gz", cifar_members(n_per_batch=16, n_test=8))
+    args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", "minigooglenet", "--sync-bn"]
+    args += ["--batch-size", "16"]
+    proc = run_launch([*args, "--output-dir", str(tmp_path / "o")], tmp_path, tmp_path / "log")
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert "--sync-bn: Paddle has no CPU kernel for SyncBatchNorm" in worker_log(tmp_path / "log", rank)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("model", ["minigooglenet", "cifar_cnn"])
+def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
+    write_cifar_archive(tmp_path / "c" / "cifar-10-python.tar.gz", cifar_members(n_per_batch=16, n_test=8))
+    args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", model, "--batch-size", "16"]
+    args += [
+        "--max-steps",
+        "3",
+        "--epochs",
+        "1",
+        "--log-every",
+        "1",
+        "--lr",
+        "0.01",
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    proc = run_launch(args, tmp_path, tmp_path / "log")
+    assert proc.returncode == 0, explain(proc, tmp_path / "log")
+    logs = [worker_log(tmp_path / "log", r) for r in (0, 1)]
+    assert f"model {model}: {EXPECTED[(model, (3, 32, 32))]:,} parameters" in logs[0]
+    assert "epoch 1 step 3/3" in logs[1]
+    result = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert result["steps"] == 3 and result["test_count"] == 8
+
+
+def test_bf16_runs_on_cpu(mnist_dir, tmp_path):
+    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "bf16", "--max-steps", "3", "--epochs", "1"]
+    proc = run_single([*args, "--log-every", "1", "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert "amp bf16" in proc.stdout
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["steps"] == 3
