@@ -179,25 +179,28 @@ def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: 
     backward pass (DataParallel's no_sync for the others).
     """
     k = cfg.accum_steps
-    loss_sum = paddle.zeros([], dtype="float32")
-    correct = paddle.zeros([], dtype="int64")
+    loss_sums, corrects = [], []
     for i, (xs, ys) in enumerate(zip(np.split(images, k), np.split(labels, k))):
         x, y = paddle.to_tensor(xs), paddle.to_tensor(ys)
         with gradient_sync(model, i == k - 1):
             with amp_context(cfg):
                 logits = model(x)
-                loss = F.cross_entropy(logits.astype("float32"), y)
+            if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
+                logits = logits.astype("float32")
+            loss = F.cross_entropy(logits, y)
             part = loss / k if k > 1 else loss
             (scaler.scale(part) if scaler else part).backward()
-        loss_sum += loss.detach() * len(ys)
-        correct += (logits.argmax(axis=1) == y).astype("int64").sum()
+        loss_sums.append(loss.detach() * len(ys))
+        corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
     if scaler:
         scaler.step(opt)
         scaler.update()
     else:
         opt.step()
     opt.clear_grad()
-    return loss, loss_sum, correct
+    if k == 1:
+        return loss, loss_sums[0], corrects[0]
+    return loss, paddle.add_n(loss_sums), paddle.add_n(corrects)
 
 
 def check_finite(loss_sum: float, step: int, lr: float, env: DistEnv) -> None:
