@@ -25,8 +25,6 @@ MNIST_JSON = "mnist.json.gz"
 DIGITS = tuple(str(i) for i in range(10))
 FASHION = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 
-__all__ = ["DataError", "Dataset", "Split", "load_dataset"]
-
 
 @dataclass(frozen=True)
 class Split:
