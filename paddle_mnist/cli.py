@@ -234,6 +234,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         final = val  # the last epoch's evaluation: same weights, same images
     else:
         final = engine.evaluate(model, test, ds, cfg, env)
+    peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log
     result = {
         "test_loss": final.loss,
         "test_acc": final.acc,
@@ -242,13 +243,13 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         "world_size": env.world_size,
         "global_batch_size": cfg.batch_size,
         "wall_time_s": time.time() - started,
-        "peak_rss_mb": memory_mb()[1],  # rank 0's
+        "peak_rss_mb": peak_mb,
     }
     files.write_json("results.json", result)
     log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
         f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
-        f"peak memory {memory_mb()[1]:.0f} MiB; "
+        f"peak memory {peak_mb:.0f} MiB; "
         f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
     )
     distributed.barrier(env)
