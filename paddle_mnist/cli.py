@@ -219,6 +219,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             step += stats.steps
             done = skip + stats.steps
             skip = 0
+            distributed.average_running_statistics(model, env)  # all ranks now hold what rank 0 saves
             val = engine.evaluate(model, val_split, ds, cfg, env)
             dog.progress(step)
             row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())

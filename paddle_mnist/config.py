@@ -10,7 +10,7 @@ from pathlib import Path
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
 AUGMENTED_BY_DEFAULT = ("cifar10",)  # the tutorials augmented CIFAR-10; MNIST-type data trains well without
-MODELS = ("mnist_cnn", "minigooglenet", "cifar_cnn")
+MODELS = ("mnist_cnn", "mnist_cnn_bn", "minigooglenet", "cifar_cnn")  # the names of models.MODELS
 LR_SCHEDULES = ("poly", "constant")
 LR_SCALING = ("none", "linear")
 AMP = ("off", "fp16", "bf16")

@@ -154,20 +154,44 @@ def all_reduce_gradients(model: paddle.nn.Layer) -> None:
     """
     if not isinstance(model, paddle.DataParallel):
         return
-    world = dist.get_world_size()
     grads: dict[str, list[paddle.Tensor]] = {}
     for p in model.parameters():
         if p.grad is not None:
             grads.setdefault(str(p.grad.dtype), []).append(p.grad)
     for group in grads.values():
-        flat = paddle.concat([g.reshape([-1]) for g in group])
-        flat.scale_(1.0 / world)
-        dist.all_reduce(flat)
-        offset = 0
-        for g in group:
-            n = int(g.size)
-            paddle.assign(flat[offset : offset + n].reshape(g.shape), output=g)
-            offset += n
+        _average_in_place(group)
+
+
+def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
+    """Average the state that is not trained (batch norm running mean and variance) over workers, in place.
+
+    Without SyncBatchNorm each worker keeps running statistics of its own shards; averaging them before every
+    evaluation makes all ranks hold the model rank 0 saves, so the reported accuracy is that model's. Paddle
+    keeps these statistics as parameters with stop_gradient set, so those are averaged along with any buffers
+    (frozen weights are equal on all ranks, and averaging equal values leaves them bit-identical).
+    """
+    if env.world_size == 1:
+        return
+    net = unwrap(model)
+    untrained = [p for p in net.parameters() if p.stop_gradient] + list(net.buffers())
+    groups: dict[str, list[paddle.Tensor]] = {}
+    for t in untrained:
+        if t.is_floating_point():
+            groups.setdefault(str(t.dtype), []).append(t)
+    for group in groups.values():
+        _average_in_place(group)
+
+
+def _average_in_place(tensors: list[paddle.Tensor]) -> None:
+    """Pack same-dtype tensors into one buffer, scale by 1/world size, sum over workers, copy back."""
+    flat = paddle.concat([t.reshape([-1]) for t in tensors])
+    flat.scale_(1.0 / dist.get_world_size())
+    dist.all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        paddle.assign(flat[offset : offset + n].reshape(t.shape), output=t)
+        offset += n
 
 
 def device_sync(env: DistEnv):

@@ -1,24 +1,34 @@
-"""The networks, chosen by name: the tutorial CNN, MiniGoogLeNet and the Keras CIFAR-10 example CNN."""
+"""The networks, chosen by name: the tutorial CNN (also with batch norm), MiniGoogLeNet and the Keras CIFAR-10 CNN."""
 
 from __future__ import annotations
+
+import functools
 
 import paddle
 from paddle import nn
 
 
 class MnistCNN(nn.Layer):
-    """The tutorial's CNN: two 5x5 conv (20 channels, padding 2) + ReLU + 2x2 max-pool blocks, then one dense layer."""
+    """The tutorial's CNN: two 5x5 conv (20 channels, padding 2) + ReLU + 2x2 max-pool blocks, then one dense layer.
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 1, image_size: int = 28):
+    batch_norm=True (model mnist_cnn_bn) puts batch norm between each conv and its ReLU; the conv then drops its
+    bias, which the norm's shift replaces.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1, image_size: int = 28, batch_norm: bool = False):
         super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2D(in_channels, 20, 5, padding=2),
-            nn.ReLU(),
-            nn.MaxPool2D(2, 2),
-            nn.Conv2D(20, 20, 5, padding=2),
-            nn.ReLU(),
-            nn.MaxPool2D(2, 2),
-        )
+
+        def block(cin: int) -> list[nn.Layer]:
+            if not batch_norm:
+                return [nn.Conv2D(cin, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2D(2, 2)]
+            return [
+                nn.Conv2D(cin, 20, 5, padding=2, bias_attr=False),
+                nn.BatchNorm2D(20),
+                nn.ReLU(),
+                nn.MaxPool2D(2, 2),
+            ]
+
+        self.features = nn.Sequential(*block(in_channels), *block(20))
         self.fc = nn.Linear(20 * (image_size // 4) ** 2, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -127,7 +137,12 @@ class CifarCNN(nn.Layer):
         return self.classifier(paddle.flatten(self.features(x), 1))
 
 
-MODELS = {"mnist_cnn": MnistCNN, "minigooglenet": MiniGoogLeNet, "cifar_cnn": CifarCNN}
+MODELS = {
+    "mnist_cnn": MnistCNN,
+    "mnist_cnn_bn": functools.partial(MnistCNN, batch_norm=True),
+    "minigooglenet": MiniGoogLeNet,
+    "cifar_cnn": CifarCNN,
+}
 
 
 def build_model(name: str, num_classes: int = 10, image_shape: tuple[int, int, int] = (1, 28, 28)) -> nn.Layer:

@@ -7,7 +7,16 @@ import json
 import numpy as np
 import paddle
 import pytest
-from helpers import cifar_members, explain, make_dataset, run_launch, run_single, worker_log, write_cifar_archive
+from helpers import (
+    cifar_members,
+    explain,
+    make_dataset,
+    param_digest,
+    run_launch,
+    run_single,
+    worker_log,
+    write_cifar_archive,
+)
 
 from paddle_mnist import config, engine
 from paddle_mnist.distributed import DistEnv, convert_sync_bn
@@ -15,11 +24,14 @@ from paddle_mnist.models import MODELS, build_model, count_parameters
 
 # Trainable parameters, counted by hand from each architecture:
 # mnist_cnn: conv 1->20 5x5 (520), conv 20->20 5x5 (10,020), dense 20*7*7->10 (9,810)
+# mnist_cnn_bn: the same convs without bias (500, 10,000), each followed by batch norm (scale and shift: 40)
 # cifar_cnn: conv 3->32 (896), 32->32 (9,248), 32->64 (18,496), 64->64 (36,928), 2304->512 (1,180,160), 512->10 (5,130)
 # minigooglenet: the Keras tutorial's summary reports 1,652,826 trainable parameters for 32x32x3 input
 EXPECTED = {
     ("mnist_cnn", (1, 28, 28)): 20_350,
     ("mnist_cnn", (3, 32, 32)): 24_350,
+    ("mnist_cnn_bn", (1, 28, 28)): 20_390,
+    ("mnist_cnn_bn", (3, 32, 32)): 24_390,
     ("cifar_cnn", (3, 32, 32)): 1_250_858,
     ("minigooglenet", (3, 32, 32)): 1_652_826,
 }
@@ -28,6 +40,10 @@ EXPECTED = {
 @pytest.mark.parametrize("name,shape", sorted(EXPECTED))
 def test_parameter_counts(name, shape):
     assert count_parameters(build_model(name, 10, shape)) == EXPECTED[(name, shape)]
+
+
+def test_every_model_can_be_chosen_on_the_command_line():
+    assert sorted(config.MODELS) == sorted(MODELS)
 
 
 def test_minigooglenet_count_by_hand():
@@ -115,6 +131,20 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     for name in a:
         np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), atol=1e-5, rtol=0, err_msg=name)
     assert not np.allclose(a["fc.weight"].numpy(), 0)
+
+
+def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(mnist_dir, tmp_path):
+    """Each worker's running mean and variance come from its own shards; they are averaged before each
+    evaluation, so the ranks end bit-identical and the accuracy they report together is that of the saved model."""
+    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--model", "mnist_cnn_bn", "--epochs", "2"]
+    args += ["--batch-size", "64", "--log-every", "0", "--output-dir", str(tmp_path / "o")]
+    proc = run_launch(args, tmp_path, tmp_path / "log")
+    assert proc.returncode == 0, explain(proc, tmp_path / "log")
+    digests = [param_digest(worker_log(tmp_path / "log", r)) for r in (0, 1)]
+    assert digests[0] == digests[1]
+    saved = paddle.load(str(tmp_path / "o" / "model.pdparams"))
+    assert {"features.1._mean", "features.1._variance"} <= saved.keys()
+    assert not np.allclose(saved["features.1._mean"].numpy(), 0)  # the statistics did move from their start
 
 
 def test_fp16_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path):
