@@ -233,8 +233,6 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
 
     net = distributed.unwrap(model)
     files.save_weights(net)
-    files.export_inference(net, ds)
-    files.finish()
     if val is not None and ds.val_is_test:
         final = val  # the last epoch's evaluation: same weights, same images
     else:
@@ -257,8 +255,27 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         f"peak memory {peak_mb:.0f} MiB; "
         f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
     )
+    files.finish()
+    _export(files, net, ds, cfg)  # last: if paddle.jit.save fails, the weights and results are already written
     distributed.barrier(env)
     return result
+
+
+class ExportFailed(RuntimeError):
+    """paddle.jit.save failed after training; the weights and results were written before it."""
+
+
+def _export(files: RunFiles, net: paddle.nn.Layer, ds: data.Dataset, cfg: Config) -> None:
+    try:
+        files.export_inference(net, ds)
+    except Exception as e:
+        out = cfg.output_dir
+        raise ExportFailed(
+            f"exporting the inference model to {os.path.join(out, 'inference')} failed ({type(e).__name__}: {e}); "
+            f"nothing else is lost: the weights are in {os.path.join(out, 'model.pdparams')} and the results in "
+            f"{os.path.join(out, 'results.json')}. Fix the cause, then run the same command with --resume yes: "
+            "it loads the finished run's last checkpoint and exports again without training"
+        ) from e
 
 
 def _point_to_summary(log: logging.Logger) -> None:
@@ -281,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         log.error(f"error: {e}")
         _point_to_summary(log)
         return 2
+    except ExportFailed as e:
+        log.error(f"error: {e}", exc_info=e.__cause__)
+        _point_to_summary(log)
+        return 1
     except Exception:
         log.exception("error: the run failed")
         _point_to_summary(log)

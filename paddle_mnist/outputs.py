@@ -72,7 +72,8 @@ class RunFiles:
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
             for old in [*checkpoint.list_checkpoints(self.out), *self.out.glob("inference*")]:
-                old.unlink()  # an earlier run's export must not pass for this run's
+                if not old.is_dir():  # a user's folder is left alone
+                    old.unlink()  # an earlier run's export must not pass for this run's
         elif metrics.is_file():
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import paddle
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, worker_log
 
+from paddle_mnist import checkpoint, export
 from paddle_mnist.logs import summarise
+from paddle_mnist.models import MnistCNN
 
 ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 ARGS += ["--batch-size", "64", "--epochs", "2"]
@@ -159,3 +163,30 @@ def test_stopped_worker_ends_the_job_within_the_timeout(tmp_path):
     assert re.search(
         r"no progress for 10 s \(--collective-timeout\) at step \d+: rank 1 \(last seen at step \d+\) stopped", text
     ), text[-2000:]
+
+
+def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_path):
+    """paddle.jit.save runs last: when it fails, model.pdparams and results.json are already written, the error
+    says how to export again, and --resume yes on the finished run exports without training."""
+    out = tmp_path / "o"
+    (out / "inference.pdiparams" / "x").mkdir(parents=True)  # a folder where the export must put a file
+    args = ["--dataset", "mnist", "--data-dir", str(make_dataset(tmp_path / "d", n_train=128, n_test=32))]
+    args += ["--epochs", "1", "--batch-size", "32", "--log-every", "0", "--output-dir", str(out)]
+    first = run_single(args, cwd=tmp_path)
+    assert first.returncode == 1, explain(first)
+    errors = [line for line in (first.stdout + first.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and "exporting the inference model" in errors[0], explain(first)
+    assert "nothing else is lost" in errors[0] and "--resume yes" in errors[0]
+    assert json.loads((out / "results.json").read_text())["steps"] == 4
+    trained = MnistCNN()
+    trained.set_state_dict(paddle.load(str(out / "model.pdparams")))
+
+    shutil.rmtree(out / "inference.pdiparams")
+    second = run_single([*args, "--resume", "yes"], cwd=tmp_path)
+    assert second.returncode == 0, explain(second)
+    assert "resumed from" in second.stdout + second.stderr and "epoch 1/1 done" not in second.stdout + second.stderr
+    exported, meta = export.load_exported(out / "inference")
+    assert meta["dataset"] == "mnist"
+    again = MnistCNN()
+    again.set_state_dict(paddle.load(str(out / "model.pdparams")))
+    assert checkpoint.digest(again) == checkpoint.digest(trained)
