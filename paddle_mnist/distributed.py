@@ -167,8 +167,9 @@ def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
 
     Without SyncBatchNorm each worker keeps running statistics of its own shards; averaging them before every
     evaluation makes all ranks hold the model rank 0 saves, so the reported accuracy is that model's. Paddle
-    keeps these statistics as parameters with stop_gradient set, so those are averaged along with any buffers
-    (frozen weights are equal on all ranks, and averaging equal values leaves them bit-identical).
+    keeps these statistics as parameters with stop_gradient set, so those are averaged along with any buffers.
+    Frozen weights are averaged too: they stay equal on all ranks (unchanged when the world size is a power of
+    two; otherwise they may move by a rounding step).
     """
     if env.world_size == 1:
         return
