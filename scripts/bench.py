@@ -74,11 +74,16 @@ def worker_text(stdout: str, workers: int, log_dir: Path) -> list[str]:
     return [(log_dir / f"workerlog.{r}").read_text() for r in range(workers)]
 
 
+def fresh(*folders: Path) -> None:
+    """Remove a previous round's run: the launcher appends to old worker logs, the trainer refuses old results."""
+    for folder in folders:
+        if folder.exists():
+            shutil.rmtree(folder)
+
+
 def run_trainer(args, workers: int, work: Path, name: str, extra: list[str]) -> dict:
     out, log_dir = work / name, work / f"{name}-log"
-    for old in (out, log_dir):  # the previous round's run
-        if old.exists():
-            shutil.rmtree(old)
+    fresh(out, log_dir)
     cmd = launcher(workers, log_dir) + [str(REPO / "train.py"), "--data-dir", str(args.data_dir)]
     cmd += ["--batch-size", str(args.batch), "--train-limit", str(args.batch * args.steps)]
     cmd += ["--epochs", str(args.windows + 1), "--eval-limit", "1000", "--log-every", "0"]
@@ -95,8 +100,7 @@ def run_contender(args, contender: str, workers: int, work: Path) -> dict:
     if contender == "trainer-untimed":
         return run_trainer(args, workers, work, f"untimed-w{workers}", ["--timing-every", "0"])
     log_dir, out = work / f"{contender}-w{workers}-log", work / f"{contender}-w{workers}"
-    if log_dir.exists():  # a later round: the launcher appends to old logs, the ranks' JSON is rewritten
-        shutil.rmtree(log_dir)
+    fresh(log_dir)  # the ranks' JSON is rewritten, the logs must be emptied
     cmd = launcher(workers, log_dir) + [str(REPO / "scripts" / "bench_contenders.py"), contender]
     cmd += ["--data-dir", str(args.data_dir), "--batch", str(args.batch), "--steps", str(args.steps)]
     cmd += ["--windows", str(args.windows), "--threads", str(threads_for(workers)), "--out", str(out)]
@@ -134,10 +138,11 @@ def memory_runs(args, work: Path) -> list[dict]:
 
 def merge(rounds: list[dict]) -> dict:
     """One process's figures per round -> all windows of all rounds, the peak memory of the largest round."""
+    rates = [x for r in rounds for x in r["rates"]]
     return {
-        "rates": [x for r in rounds for x in r["rates"]],
+        "rates": rates,
         "round_medians": [statistics.median(r["rates"]) for r in rounds],
-        "median": statistics.median([x for r in rounds for x in r["rates"]]),
+        "median": statistics.median(rates),
         "peak_mb": [max(ms) for ms in zip(*(r["peak_mb"] for r in rounds))],
         "shares": rounds[-1].get("shares"),
     }
