@@ -207,9 +207,11 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             def after_step(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
                 dog.progress(at_step)
                 every = cfg.save_every_steps
-                if files.enabled and every and at_step % every == 0 and batch < steps_per_epoch:
+                if every and at_step % every == 0 and batch < steps_per_epoch:
+                    # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
+                    distributed.average_running_statistics(model, env)
                     # never let diverged weights push a good checkpoint out; the next loss check stops every rank
-                    if np.isfinite(float(loss_sum)) and _weights_finite(model):
+                    if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
                         files.save_checkpoint(_checkpoint_state(model, opt, sched, scaler, cfg, epoch, batch, at_step))
 
             plan = engine.EpochPlan(epoch, skip, step, last_step)
