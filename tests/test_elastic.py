@@ -68,7 +68,7 @@ class LauncherGaveUp(RuntimeWarning):
 def gave_up_without_restarting(output: str) -> bool:
     """Paddle 3.3.1's elastic launcher lost its own race: after a failure it checks whether the job is
     "restarting" before its etcd watch has said so, and exits (controllers/collective.py,
-    CollectiveElasticController.run). Seen in about 1 run in 8 here; our code plays no part in it."""
+    CollectiveElasticController.run). Seen in 2 of 27 runs here; our code plays no part in it."""
     return output.count("Run Pod") == 1 and "Pod failed" in output and "peer not ready" in output
 
 
@@ -96,7 +96,7 @@ def test_killed_worker_is_restarted_and_resumes_without_a_human(etcd, tmp_path):
     assert full.returncode == 0, explain(full, tmp_path / "l0")
 
     # The launcher's race is counted and reported, never hidden: each lost race is a warning in the
-    # test summary, and three in a row (about 1 in 500 at the rate seen here) fail the test.
+    # test summary, and three in a row (about 1 in 2,500 at the rate seen here) fail the test.
     for attempt in range(1, 4):
         returncode, output, out, log_dir = run_elastic_and_kill(etcd, attempt, args, tmp_path)
         if not (returncode != 0 and gave_up_without_restarting(output)):
