@@ -72,8 +72,10 @@ def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     return augment.describe(augment.policy_for(ds.name, cfg.shift))
 
 
-def _checkpoint_state(model, opt, sched, scaler, cfg: Config, epoch: int, batch_in_epoch: int, step: int) -> dict:
-    """epoch counts whole epochs done; batch_in_epoch the batches of the next one already trained."""
+def _checkpoint_state(model, opt, sched, scaler, cfg: Config, at: tuple[int, int, int], elapsed_s: float) -> dict:
+    """at: (whole epochs done, batches of the next one already trained, step); elapsed_s: the training time up
+    to here, summed over the sessions of a resumed run."""
+    epoch, batch_in_epoch, step = at
     return {
         "model": distributed.unwrap(model).state_dict(),
         "optimizer": opt.state_dict(),
@@ -84,10 +86,11 @@ def _checkpoint_state(model, opt, sched, scaler, cfg: Config, epoch: int, batch_
         "rng": {"paddle": paddle.get_rng_state(), "numpy": np.random.get_state()},
         "config": dataclasses.asdict(cfg),
         "scaler": scaler.state_dict() if scaler else None,  # fp16 loss scale, so a resumed run keeps it
+        "elapsed_s": elapsed_s,
     }
 
 
-def _restore(path, model, opt, sched, scaler, cfg: Config) -> tuple[int, int, int]:
+def _restore(path, model, opt, sched, scaler, cfg: Config) -> tuple[int, int, int, float]:
     state = checkpoint.load(path)
     saved = state.get("config", {})
     for key in ("model", "dataset", "batch_size"):
@@ -104,7 +107,8 @@ def _restore(path, model, opt, sched, scaler, cfg: Config) -> tuple[int, int, in
         scaler.load_state_dict(state["scaler"])
     paddle.set_rng_state(state["rng"]["paddle"])
     np.random.set_state(state["rng"]["numpy"])
-    return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"])
+    elapsed = float(state.get("elapsed_s", 0.0))  # older checkpoints lack it
+    return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"]), elapsed
 
 
 def _weights_finite(model) -> bool:
@@ -187,15 +191,20 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     scaler = engine.make_scaler(cfg)
 
     start_epoch = skip = step = 0
+    trained_before = 0.0  # seconds of training in earlier sessions of this run
     ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume != "no" else []
     if ckpts:
-        start_epoch, skip, step = _restore(ckpts[-1], model, opt, sched, scaler, cfg)
+        start_epoch, skip, step, trained_before = _restore(ckpts[-1], model, opt, sched, scaler, cfg)
         log.info(f"resumed from {ckpts[-1]}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
     files.start(start_epoch if ckpts else None)
     model = distributed.wrap(model, env)
 
-    started = time.time()
+    started = time.time() - trained_before  # wall_time_s in results.json covers every session of the run
+
+    def state_now(at: tuple[int, int, int]) -> dict:
+        return _checkpoint_state(model, opt, sched, scaler, cfg, at, time.time() - started)
+
     val = None
     dog = Watchdog(env, cfg.collective_timeout, log)
     with dog:
@@ -212,7 +221,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
                     distributed.average_running_statistics(model, env)
                     # never let diverged weights push a good checkpoint out; the next loss check stops every rank
                     if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
-                        files.save_checkpoint(_checkpoint_state(model, opt, sched, scaler, cfg, epoch, batch, at_step))
+                        files.save_checkpoint(state_now((epoch, batch, at_step)))
 
             plan = engine.EpochPlan(epoch, skip, step, last_step)
             stats = engine.train_one_epoch(
@@ -230,8 +239,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             files.append_metrics(row)
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
-                state = _checkpoint_state(model, opt, sched, scaler, cfg, epoch + whole, 0 if whole else done, step)
-                files.save_checkpoint(state)
+                files.save_checkpoint(state_now((epoch + whole, 0 if whole else done, step)))
 
     net = distributed.unwrap(model)
     files.save_weights(net)
