@@ -72,10 +72,11 @@ def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     return augment.describe(augment.policy_for(ds.name, cfg.shift))
 
 
-def _checkpoint_state(model, opt, sched, scaler, cfg: Config, at: tuple[int, int, int], elapsed_s: float) -> dict:
-    """at: (whole epochs done, batches of the next one already trained, step); elapsed_s: the training time up
-    to here, summed over the sessions of a resumed run."""
-    epoch, batch_in_epoch, step = at
+def _checkpoint_state(
+    model, opt, sched, scaler, cfg: Config, epoch: int, batch_in_epoch: int, step: int, elapsed_s: float
+) -> dict:
+    """epoch counts whole epochs done; batch_in_epoch the batches of the next one already trained; elapsed_s the
+    training time up to here, summed over the sessions of a resumed run."""
     return {
         "model": distributed.unwrap(model).state_dict(),
         "optimizer": opt.state_dict(),
@@ -202,8 +203,8 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
 
     started = time.time() - trained_before  # wall_time_s in results.json covers every session of the run
 
-    def state_now(at: tuple[int, int, int]) -> dict:
-        return _checkpoint_state(model, opt, sched, scaler, cfg, at, time.time() - started)
+    def state_now(epoch: int, batch_in_epoch: int, step: int) -> dict:
+        return _checkpoint_state(model, opt, sched, scaler, cfg, epoch, batch_in_epoch, step, time.time() - started)
 
     val = None
     dog = Watchdog(env, cfg.collective_timeout, log)
@@ -221,7 +222,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
                     distributed.average_running_statistics(model, env)
                     # never let diverged weights push a good checkpoint out; the next loss check stops every rank
                     if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
-                        files.save_checkpoint(state_now((epoch, batch, at_step)))
+                        files.save_checkpoint(state_now(epoch, batch, at_step))
 
             plan = engine.EpochPlan(epoch, skip, step, last_step)
             stats = engine.train_one_epoch(
@@ -239,7 +240,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             files.append_metrics(row)
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
-                files.save_checkpoint(state_now((epoch + whole, 0 if whole else done, step)))
+                files.save_checkpoint(state_now(epoch + whole, 0 if whole else done, step))
 
     net = distributed.unwrap(model)
     files.save_weights(net)
