@@ -11,9 +11,10 @@ import time
 import numpy as np
 import paddle
 
-from . import augment, checkpoint, data, distributed, engine, timing
+from . import augment, checkpoint, cpu, data, distributed, engine, timing
 from .config import Config, ConfigError, effective_lr, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
+from .ema import WeightAverage
 from .log import get_logger, memory_mb
 from .models import build_model, count_parameters
 from .outputs import RunFiles, output_dir_problem
@@ -61,8 +62,11 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
     mean = ", ".join(f"{m:.4f}" for m in ds.mean)
     std = ", ".join(f"{x:.4f}" for x in ds.std)
     log.info(f"input: normalised with training mean ({mean}) and std ({std}); augmentation {_augment_text(cfg, ds)}")
+    mkl = os.environ.get(cpu.MKL_CODE_PATH)
+    avx2 = " (MKL's AVX2 kernels)" if mkl == cpu.AVX2_CODE_PATH else ""
     log.info(
         f"paddle {paddle.__version__}, CPU threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
+        + (f", {cpu.MKL_CODE_PATH}={mkl}{avx2}" if mkl else "")
     )
 
 
@@ -73,12 +77,13 @@ def _augment_text(cfg: Config, ds: data.Dataset) -> str:
 
 
 def _checkpoint_state(
-    model, opt, sched, scaler, cfg: Config, epoch: int, batch_in_epoch: int, step: int, elapsed_s: float
+    model, opt, sched, scaler, ema, cfg: Config, epoch: int, batch_in_epoch: int, step: int, elapsed_s: float
 ) -> dict:
     """epoch counts whole epochs done; batch_in_epoch the batches of the next one already trained; elapsed_s the
     training time up to here, summed over the sessions of a resumed run."""
     return {
         "model": distributed.unwrap(model).state_dict(),
+        "ema": ema.state_dict() if ema else None,
         "optimizer": opt.state_dict(),
         "lr_scheduler": sched.state_dict(),
         "epoch": epoch,
@@ -91,7 +96,7 @@ def _checkpoint_state(
     }
 
 
-def _restore(path, model, opt, sched, scaler, cfg: Config) -> tuple[int, int, int, float]:
+def _restore(path, model, opt, sched, scaler, ema, cfg: Config) -> tuple[int, int, int, float]:
     state = checkpoint.load(path)
     saved = state.get("config", {})
     for key in ("model", "dataset", "batch_size"):
@@ -106,6 +111,8 @@ def _restore(path, model, opt, sched, scaler, cfg: Config) -> tuple[int, int, in
     sched.set_state_dict(state["lr_scheduler"])
     if scaler and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
+    if ema:  # a checkpoint from before --ema was turned on starts the average from its weights
+        ema.set_state_dict(state.get("ema") or state["model"])
     paddle.set_rng_state(state["rng"]["paddle"])
     np.random.set_state(state["rng"]["numpy"])
     elapsed = float(state.get("elapsed_s", 0.0))  # older checkpoints lack it
@@ -142,6 +149,7 @@ def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr:
         "global_batch_size": cfg.batch_size,
         "lr": lr,
         "rss_mb": memory_mb()[0],
+        "time_s": timing.since_command_start(),  # seconds since the command (the launcher, if any) started
     }
 
 
@@ -190,12 +198,13 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
     opt, sched = engine.make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
     scaler = engine.make_scaler(cfg)
+    ema = WeightAverage(model, build_model(cfg.model, len(ds.classes), ds.image_shape), cfg.ema) if cfg.ema else None
 
     start_epoch = skip = step = 0
     trained_before = 0.0  # seconds of training in earlier sessions of this run
     ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume != "no" else []
     if ckpts:
-        start_epoch, skip, step, trained_before = _restore(ckpts[-1], model, opt, sched, scaler, cfg)
+        start_epoch, skip, step, trained_before = _restore(ckpts[-1], model, opt, sched, scaler, ema, cfg)
         log.info(f"resumed from {ckpts[-1]}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
     files.start(start_epoch if ckpts else None)
@@ -204,7 +213,16 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
     started = time.time() - trained_before  # wall_time_s in results.json covers every session of the run
 
     def state_now(epoch: int, batch_in_epoch: int, step: int) -> dict:
-        return _checkpoint_state(model, opt, sched, scaler, cfg, epoch, batch_in_epoch, step, time.time() - started)
+        elapsed = time.time() - started
+        return _checkpoint_state(model, opt, sched, scaler, ema, cfg, epoch, batch_in_epoch, step, elapsed)
+
+    def average_statistics() -> None:
+        """Every rank takes part, so every rank then holds the statistics rank 0 saves and evaluates with."""
+        distributed.average_running_statistics(model, env)
+        if ema:
+            distributed.average_running_statistics(ema.net, env)
+
+    scored = ema.net if ema else model  # what is evaluated, saved as model.pdparams and exported
 
     val = None
     dog = Watchdog(env, cfg.collective_timeout, log)
@@ -216,10 +234,12 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
 
             def after_step(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
                 dog.progress(at_step)
+                if ema:
+                    ema.update(at_step)
                 every = cfg.save_every_steps
                 if every and at_step % every == 0 and batch < steps_per_epoch:
-                    # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
-                    distributed.average_running_statistics(model, env)
+                    # a resumed run restarts from the statistics it had, on every rank
+                    average_statistics()
                     # never let diverged weights push a good checkpoint out; the next loss check stops every rank
                     if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
                         files.save_checkpoint(state_now(epoch, batch, at_step))
@@ -231,8 +251,8 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             step += stats.steps
             done = skip + stats.steps
             skip = 0
-            distributed.average_running_statistics(model, env)  # all ranks now hold what rank 0 saves
-            val = engine.evaluate(model, val_split, ds, cfg, env)
+            average_statistics()
+            val = engine.evaluate(scored, val_split, ds, cfg, env)
             dog.progress(step)
             row = _epoch_row(cfg, env, epoch, step, stats, val, opt.get_lr())
             _log_epoch(log, cfg, row, stats)
@@ -241,13 +261,16 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
                 files.save_checkpoint(state_now(epoch + whole, 0 if whole else done, step))
+            if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
+                log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {epoch + 1}")
+                break
 
-    net = distributed.unwrap(model)
+    net = distributed.unwrap(scored)
     files.save_weights(net)
     if val is not None and ds.val_is_test:
         final = val  # the last epoch's evaluation: same weights, same images
     else:
-        final = engine.evaluate(model, test, ds, cfg, env)
+        final = engine.evaluate(net, test, ds, cfg, env)
     peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log
     result = {
         "test_loss": final.loss,
@@ -296,6 +319,7 @@ def _point_to_summary(log: logging.Logger) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cpu.prefer_fast_kernels()  # first: MKL reads its settings at the first matmul or convolution
     try:
         cfg = parse_args(argv)
         env = distributed.setup()

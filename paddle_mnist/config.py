@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import augment
+
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
 AUGMENTED_BY_DEFAULT = ("cifar10",)  # the tutorials augmented CIFAR-10; MNIST-type data trains well without
 MODELS = ("mnist_cnn", "mnist_cnn_bn", "minigooglenet", "cifar_cnn")  # the names of models.MODELS
@@ -43,6 +45,9 @@ class Config:
     momentum: float = 0.9
     label_smoothing: float = 0.0
     weight_decay: float = 5e-4
+    ema: float = 0.0  # decay of the weights' moving average, evaluated and saved when on (0: off)
+    tta: bool = False  # score each evaluation image and its mirror image, averaging the two outputs
+    target_acc: float = 0.0  # end the run at the first evaluation at least this accurate (0: train every epoch)
     seed: int = 42
     train_limit: int = 0
     eval_limit: int = 0
@@ -165,6 +170,26 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.label_smoothing,
         help="share of each training target spread evenly over all classes (0: plain cross-entropy)",
     )
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=d.ema,
+        help="keep an exponential moving average of the weights with this decay (e.g. 0.999) and evaluate, save and "
+        "export it instead of the last weights (0: off)",
+    )
+    p.add_argument(
+        "--tta",
+        action="store_true",
+        help="test-time augmentation: score every evaluation image and its mirror image and average the two outputs "
+        "(datasets whose classes are mirror-symmetric: fashion-mnist, cifar10)",
+    )
+    p.add_argument(
+        "--target-acc",
+        type=float,
+        default=d.target_acc,
+        help="end the run, with checkpoint, weights and results, at the first evaluation whose accuracy reaches this "
+        "(e.g. 0.91; 0: train all --epochs)",
+    )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
     _add_count(p, "--train-limit", "use only the first N training images (0: all)")
     _add_count(p, "--eval-limit", "use only the first N test images (0: all)")
@@ -213,6 +238,17 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise ConfigError(f"--lr must be positive, got {cfg.lr}")
     if not 0 <= cfg.label_smoothing < 1:
         raise ConfigError(f"--label-smoothing must be at least 0 and below 1, got {cfg.label_smoothing}")
+    if not 0 <= cfg.ema < 1:
+        raise ConfigError(
+            f"--ema is the moving average's decay: at least 0 (off) and below 1, e.g. 0.999; got {cfg.ema}"
+        )
+    if not 0 <= cfg.target_acc <= 1:
+        raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
+    if cfg.tta and not augment.POLICIES[cfg.dataset].flip:
+        raise ConfigError(
+            f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
+            "(a mirrored digit is another shape): drop --tta"
+        )
     if cfg.shift is not None and not cfg.augment:
         raise ConfigError("--shift sets the augmentation's shifts: add --augment, or drop --shift")
     if cfg.epochs == 0:

@@ -253,8 +253,10 @@ def evaluate(model: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: C
     for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
         idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
         images, labels = next(data.batches(split, ds, [idx]))
-        y = paddle.to_tensor(labels)
-        logits = net(paddle.to_tensor(images))
+        x, y = paddle.to_tensor(images), paddle.to_tensor(labels)
+        logits = net(x)
+        if cfg.tta:  # the mirror image's output counts as much as the image's own
+            logits = (logits + net(paddle.flip(x, axis=[3]))) / 2
         sums += (
             float((logits.argmax(axis=1) == y).astype("int64").sum()),
             float(F.cross_entropy(logits, y, reduction="sum")),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -72,3 +73,31 @@ def shares(seconds: dict[str, float], samples: int, steps: int, elapsed: float) 
 def describe(share: dict[str, float | None], step_ms: float, samples: int) -> str:
     parts = [f"{LABELS[p]} {100 * v:.1f}%" for p, v in share.items() if v is not None]
     return f"step {step_ms:.1f} ms: " + ", ".join(parts) + f" ({samples} sampled steps)"
+
+
+def _process_start(pid: int | str) -> float | None:
+    """The Unix time at which a process started, from /proc (Linux); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, after the command name
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _command_start() -> float:
+    """When the user's command started: the launcher's start for a worker it started, else this process's."""
+    launched = "PADDLE_TRAINER_ID" in os.environ or "PADDLE_TRAINER_ENDPOINTS" in os.environ
+    for pid in ([os.getppid()] if launched else []) + ["self"]:
+        if (t := _process_start(pid)) is not None:
+            return t
+    return time.time()
+
+
+COMMAND_START = _command_start()
+
+
+def since_command_start() -> float:
+    return time.time() - COMMAND_START

@@ -1,17 +1,21 @@
 """The loops scripts/bench.py times against the trainer, one per process (under the launcher for 2+ workers).
 
-    bare      the ceiling: forward, loss, backward, step over batches already in memory as tensors
+    bare      a hand-written loop: forward, loss, backward, step over batches already in memory as tensors
+    torch     the same loop, network and batch in PyTorch with DistributedDataParallel (gloo), where torch is installed
     fit       paddle.Model.prepare + fit, a paddle.io.DataLoader over paddle.vision.datasets.FashionMNIST
     tutorial  the Paddle 1.x tutorials' style: a per-sample Python generator, batched in Python, each worker
               keeping every world-th batch (what distributed_batch_reader did), fed to the dygraph loop
 
-Each rank writes {"rates": [global images/s per timed window], "peak_mb": ...} to OUT.rank<N>.json.
+Every Paddle contender trains the tutorial's layers as the tutorial writes them (MnistCNN(plain=True): nn.Conv2D
+with its bias, ReLU, max-pool), so they show what a user's own loop gets. Each rank writes
+{"rates": [global images/s per timed window], "peak_mb": ...} to OUT.rank<N>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -80,7 +84,7 @@ def run_bare(args, clock: Windows) -> None:
         lo = (k * world + rank) * per_worker
         x = ((images[lo : lo + per_worker].astype("float32") / 255 - MEAN) / STD)[:, None]
         batches.append((paddle.to_tensor(x), paddle.to_tensor(labels[lo : lo + per_worker])))
-    model = parallel(MnistCNN())
+    model = parallel(MnistCNN(plain=True))
     opt = optimizer(model)
     step = 0
     while True:
@@ -108,7 +112,7 @@ def run_fit(args, clock: Windows) -> None:
         def on_train_batch_end(self, step, logs=None):
             clock.tick()
 
-    net = MnistCNN()
+    net = MnistCNN(plain=True)
     model = paddle.Model(net)
     model.prepare(optimizer(net), paddle.nn.CrossEntropyLoss(), paddle.metric.Accuracy())
     model.fit(
@@ -143,7 +147,7 @@ def run_tutorial(args, clock: Windows) -> None:
             if i % world == rank:
                 yield batch
 
-    model = parallel(MnistCNN())
+    model = parallel(MnistCNN(plain=True))
     opt = optimizer(model)
     while True:
         for batch in distributed_batch_reader():
@@ -157,7 +161,47 @@ def run_tutorial(args, clock: Windows) -> None:
                 return
 
 
-RUNNERS = {"bare": run_bare, "fit": run_fit, "tutorial": run_tutorial}
+def run_torch(args, clock: Windows) -> None:
+    """The bare loop in PyTorch, started by torch.distributed.run: the same layers, initial scheme aside, and batch."""
+    import torch
+    import torch.distributed as tdist
+    from torch import nn
+
+    torch.set_num_threads(args.threads)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        tdist.init_process_group("gloo")
+    per_worker = args.batch // world
+    images, labels = read_train(args.data_dir)
+    batches = []
+    for k in range(8):
+        lo = (k * world + rank) * per_worker
+        x = ((images[lo : lo + per_worker].astype("float32") / 255 - MEAN) / STD)[:, None]
+        batches.append((torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(labels[lo : lo + per_worker])))
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Conv2d(20, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Flatten(), nn.Linear(20 * 7 * 7, 10),
+    )  # fmt: skip
+    model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    step = 0
+    while True:
+        x, y = batches[step % len(batches)]
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        if clock.tick():
+            break
+    if world > 1:
+        tdist.destroy_process_group()
+
+
+RUNNERS = {"bare": run_bare, "fit": run_fit, "tutorial": run_tutorial, "torch": run_torch}
 
 
 def main() -> int:
@@ -170,17 +214,21 @@ def main() -> int:
     p.add_argument("--threads", type=int, required=True, help="CPU math threads per worker")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    paddle.base.core.set_num_threads(args.threads)
-    paddle.set_device("cpu")
-    paddle.seed(0)
     np.random.seed(0)
-    if int(paddle.distributed.ParallelEnv().world_size) > 1:
-        dist.init_parallel_env()
+    if args.contender == "torch":  # started by torch.distributed.run, which names the rank in RANK
+        rank = int(os.environ.get("RANK", "0"))
+    else:
+        paddle.base.core.set_num_threads(args.threads)
+        paddle.set_device("cpu")
+        paddle.seed(0)
+        if int(paddle.distributed.ParallelEnv().world_size) > 1:
+            dist.init_parallel_env()
+        rank = dist.get_rank()
     clock = Windows(args.steps, args.windows, args.batch)
     RUNNERS[args.contender](args, clock)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = {"rates": clock.rates(), "peak_mb": peak}
-    Path(f"{args.out}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(result))
     return 0
 
 

@@ -1,0 +1,112 @@
+"""The flags of the fast recipes: --ema, --tta, --target-acc, and the time column they are judged by."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import paddle
+import pytest
+from helpers import explain, make_dataset, run_single
+
+from paddle_mnist import config, data
+from paddle_mnist.distributed import DistEnv
+from paddle_mnist.ema import WeightAverage, ema_decay
+from paddle_mnist.engine import evaluate
+from paddle_mnist.models import MnistCNN, build_model
+
+ONE = DistEnv(0, 1, 0, 1, "none", "cpu")
+
+
+@pytest.fixture(scope="module")
+def fashion_dir(tmp_path_factory):
+    """Synthetic images in Fashion-MNIST's files, so the Fashion-MNIST rules (flips) apply."""
+    return make_dataset(tmp_path_factory.mktemp("data") / "fashion-mnist", n_train=512, n_test=64)
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ema_decay_ramps_up_then_holds():
+    assert ema_decay(0.999, 1) == pytest.approx(2 / 11)
+    assert ema_decay(0.999, 90) == pytest.approx(0.91 / 1.0, rel=1e-3)
+    assert ema_decay(0.999, 100_000) == 0.999
+
+
+def test_weight_average_follows_its_formula():
+    paddle.seed(1)
+    net = build_model("mnist_cnn_bn")
+    avg = WeightAverage(net, build_model("mnist_cnn_bn"), decay=0.5)
+    start = {k: v.numpy().copy() for k, v in net.state_dict().items()}
+    with paddle.no_grad():
+        for p in net.parameters():
+            paddle.assign(p + 1.0, output=p)  # weights and batch norm statistics all move by one
+    avg.update(step=1000)  # past the ramp: d = 0.5
+    for key, value in avg.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), start[key] + 0.5, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_ema_run_evaluates_saves_and_checkpoints_the_average(fashion_dir, tmp_path):
+    out = tmp_path / "o"
+    args = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64", "--ema", "0.9"]
+    proc = run_single([*args, "--log-every", "0", "--output-dir", str(out)], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    saved = paddle.load(str(out / "model.pdparams"))
+    ckpt = paddle.load(str(sorted((out / "checkpoints").iterdir())[-1]))
+    for key in saved:
+        np.testing.assert_array_equal(saved[key].numpy(), ckpt["ema"][key].numpy(), err_msg=key)
+    assert not np.array_equal(saved["fc.weight"].numpy(), ckpt["model"]["fc.weight"].numpy())
+    net = MnistCNN()
+    net.set_state_dict(saved)
+    ds = data.load_dataset("fashion-mnist", str(fashion_dir))
+    again = evaluate(net, ds.test, ds, config.Config(), ONE)
+    result = json.loads((out / "results.json").read_text())
+    assert again.acc == result["test_acc"] == rows(out)[-1]["val_acc"]
+
+
+def test_tta_is_refused_for_digits():
+    with pytest.raises(config.ConfigError, match="not mirror-symmetric"):
+        config.parse_args(["--dataset", "mnist", "--tta"])
+
+
+def test_tta_scores_the_mean_of_each_image_and_its_mirror(fashion_dir):
+    paddle.seed(2)
+    net = MnistCNN()
+    ds = data.load_dataset("fashion-mnist", str(fashion_dir))
+    images, labels = next(data.batches(ds.test, ds, [np.arange(len(ds.test))]))
+    x = paddle.to_tensor(images)
+    with paddle.no_grad():
+        mean_logits = ((net(x) + net(paddle.to_tensor(images[..., ::-1].copy()))) / 2).numpy()
+    expected = float((mean_logits.argmax(axis=1) == labels).mean())
+    got = evaluate(net, ds.test, ds, config.Config(tta=True, eval_batch_size=16), ONE)
+    plain = evaluate(net, ds.test, ds, config.Config(eval_batch_size=16), ONE)
+    assert got.acc == expected and got.count == len(ds.test)
+    assert got.loss != plain.loss  # the mirror images did change the outputs
+
+
+def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(fashion_dir, tmp_path):
+    args = ["--data-dir", str(fashion_dir), "--epochs", "4", "--batch-size", "64", "--log-every", "0"]
+    full = run_single([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path)
+    assert full.returncode == 0, explain(full)
+    accs = [r["val_acc"] for r in rows(tmp_path / "full")]
+    target = accs[1]  # reached first at epoch 2 or earlier; the run must stop at the first epoch that reaches it
+    first = next(i for i, a in enumerate(accs) if a >= target) + 1
+    assert first < 4, accs
+    stop = run_single([*args, "--target-acc", str(target), "--output-dir", str(tmp_path / "stop")], cwd=tmp_path)
+    assert stop.returncode == 0, explain(stop)
+    assert [r["epoch"] for r in rows(tmp_path / "stop")] == list(range(1, first + 1))
+    assert f"reached --target-acc {target:g}" in stop.stdout
+    result = json.loads((tmp_path / "stop" / "results.json").read_text())
+    assert result["test_acc"] == accs[first - 1]
+    assert (tmp_path / "stop" / "model.pdparams").is_file() and (tmp_path / "stop" / "inference_meta.json").is_file()
+
+
+def test_metrics_rows_carry_seconds_since_the_command_started(fashion_dir, tmp_path):
+    args = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64", "--log-every", "0"]
+    proc = run_single([*args, "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    times = [r["time_s"] for r in rows(tmp_path / "o")]
+    epochs = [r["epoch_time_s"] for r in rows(tmp_path / "o")]
+    assert times[0] > epochs[0] > 0  # the clock started before the data was loaded and the first epoch ran
+    assert times[1] - times[0] >= epochs[1]

@@ -1,0 +1,80 @@
+"""The faster network is the same network: outputs, gradients and weights files equal to the tutorial's layers."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+from paddle import nn
+
+from paddle_mnist import cpu
+from paddle_mnist.models import Conv2D, MnistCNN, add_channel_bias, build_model
+
+
+def outputs_and_grads(net: nn.Layer, x: paddle.Tensor, y: paddle.Tensor, seed: int = 3):
+    net.clear_gradients()
+    paddle.seed(seed)  # the same dropout masks for both networks
+    logits = net(x)
+    F.cross_entropy(logits, y).backward()
+    return logits.numpy(), {name: p.grad.numpy() for name, p in net.named_parameters() if p.grad is not None}
+
+
+def test_mnist_cnn_matches_the_tutorial_layers_forward_and_backward():
+    paddle.seed(11)
+    fast = MnistCNN()
+    plain = MnistCNN(plain=True)  # nn.Conv2D, ReLU, MaxPool2D, one after another, as the tutorial writes them
+    plain.set_state_dict(fast.state_dict())  # the same names: the weights load into either
+    assert {type(layer) for layer in plain.features} == {nn.Conv2D, nn.ReLU, nn.MaxPool2D}
+    x, y = paddle.randn([16, 1, 28, 28]), paddle.randint(0, 10, [16])
+    out_fast, grads_fast = outputs_and_grads(fast, x, y)
+    out_plain, grads_plain = outputs_and_grads(plain, x, y)
+    np.testing.assert_array_equal(out_fast, out_plain)  # max and ReLU commute with the bias add, to the bit
+    assert grads_fast.keys() == grads_plain.keys() and len(grads_fast) == 6
+    for name in grads_fast:  # the bias gradients are summed in another order: equal to rounding
+        np.testing.assert_allclose(grads_fast[name], grads_plain[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["cifar_cnn", "minigooglenet"])
+def test_conv_with_bias_added_by_rows_matches_nn_conv2d(name):
+    """Every Conv2D of these models, run through nn.Conv2D's own forward instead, gives the same training step."""
+    paddle.seed(12)
+    fast = build_model(name, 10, (3, 32, 32))
+    plain = build_model(name, 10, (3, 32, 32))
+    plain.set_state_dict(fast.state_dict())
+    convs = [layer for layer in plain.sublayers() if isinstance(layer, Conv2D)]
+    assert convs and all(conv.bias is not None for conv in convs)
+    for conv in convs:
+        conv.forward = types.MethodType(nn.Conv2D.forward, conv)
+    x, y = paddle.randn([4, 3, 32, 32]), paddle.randint(0, 10, [4])
+    out_fast, grads_fast = outputs_and_grads(fast, x, y)
+    out_plain, grads_plain = outputs_and_grads(plain, x, y)
+    np.testing.assert_array_equal(out_fast, out_plain)
+    for key in grads_fast:
+        np.testing.assert_allclose(grads_fast[key], grads_plain[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+def test_add_channel_bias_adds_each_channel_its_own_value():
+    x = paddle.zeros([2, 3, 4, 5])
+    out = add_channel_bias(x, paddle.to_tensor([1.0, 2.0, 3.0])).numpy()
+    assert out.shape == (2, 3, 4, 5)
+    for c, value in enumerate([1.0, 2.0, 3.0]):
+        assert (out[:, c] == value).all()
+
+
+AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
+INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx avx2 fma avx512f\n"
+OLD_AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx\n"
+
+
+def test_mkl_avx2_path_only_for_amd_processors_that_have_avx2_and_fma():
+    assert cpu.mkl_settings(AMD, {}) == {"MKL_DEBUG_CPU_TYPE": "5"}
+    assert cpu.mkl_settings(INTEL, {}) == {}  # MKL already picks its best kernels on Intel processors
+    assert cpu.mkl_settings(OLD_AMD, {}) == {}  # the AVX2 kernels would crash there
+    assert cpu.mkl_settings(AMD, {"MKL_DEBUG_CPU_TYPE": "4"}) == {}  # the user's own choice stands
+    env = {}
+    cpu.prefer_fast_kernels(env)
+    with open("/proc/cpuinfo") as f:
+        assert env == cpu.mkl_settings(f.read(), {})  # this machine: applied exactly as decided
