@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import paddle
 import pytest
-from helpers import explain, make_dataset, run_single
+from helpers import REPO, explain, launch_env, make_dataset, run_single
 
 from paddle_mnist import config, data
 from paddle_mnist.distributed import DistEnv
@@ -110,3 +112,23 @@ def test_metrics_rows_carry_seconds_since_the_command_started(fashion_dir, tmp_p
     epochs = [r["epoch_time_s"] for r in rows(tmp_path / "o")]
     assert times[0] > epochs[0] > 0  # the clock started before the data was loaded and the first epoch ran
     assert times[1] - times[0] >= epochs[1]
+
+
+def test_time_to_accuracy_script_reports_every_seed(fashion_dir, tmp_path):
+    script = REPO / "scripts" / "time_to_accuracy.py"
+    train = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64"]
+    cmd = [sys.executable, str(script), "--target", "0.2", "--seeds", "1", "2", "--workers", "1"]
+    cmd += ["--json", str(tmp_path / "t.json"), "--work-dir", str(tmp_path / "runs"), "--", *train]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert [r["seed"] for r in report["runs"]] == [1, 2]
+    for r in report["runs"]:
+        metrics = rows(tmp_path / "runs" / f"seed{r['seed']}")
+        first = next(m for m in metrics if m["val_acc"] >= 0.2)
+        assert r["time_to_target_s"] == first["time_s"] and r["epoch_at_target"] == first["epoch"]
+        assert (
+            r["final_acc"]
+            == json.loads((tmp_path / "runs" / f"seed{r['seed']}" / "results.json").read_text())["test_acc"]
+        )
+    assert "reached 0.2 in 2 of 2 runs" in proc.stdout
