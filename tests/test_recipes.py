@@ -128,8 +128,11 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     assert "batch: 48 per worker (3 micro-batches of 16), 96 global" in worker_log(tmp_path / "log", 1)
     a = paddle.load(str(tmp_path / "one" / "model.pdparams"))
     b = paddle.load(str(tmp_path / "two" / "model.pdparams"))
+    # MKL's AVX2 kernels (which the trainer turns on for AMD processors) group a GEMM's sums by the batch's
+    # shape, so micro-batches of 16 and batches of 96 round differently: over these 20 steps the weights drift
+    # apart by up to 3e-4. A loss not divided by the micro-batches moves them by 0.1 (tried), 100 times more.
     for name in a:
-        np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), atol=1e-5, rtol=0, err_msg=name)
+        np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), atol=1e-3, rtol=0, err_msg=name)
     assert not np.allclose(a["fc.weight"].numpy(), 0)
 
 
