@@ -224,6 +224,16 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     return float(t.numpy()[0])
 
 
+def all_reduce_max_values(values: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Element-wise maximum of a small float64 vector over all workers."""
+    values = np.asarray(values, dtype=np.float64)
+    if env.world_size == 1:
+        return values
+    t = paddle.to_tensor(values, dtype="float64")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.numpy()
+
+
 def job_store():
     """The job-wide TCP key-value store that init_parallel_env() set up (counters via add())."""
     return paddle.base.core.create_or_get_global_tcp_store()
