@@ -60,7 +60,7 @@ def save_atomic(obj: object, path: Path) -> None:
         os.replace(tmp_digest, digest_path(path))
         os.replace(tmp, path)
     except OSError as e:
-        raise WriteError(e.errno, f"cannot write {path}: {e.strerror or e}") from e
+        raise WriteError(e.errno, e.strerror or str(e)) from e  # the system's reason; the caller names the file
     finally:
         tmp.unlink(missing_ok=True)
         tmp_digest.unlink(missing_ok=True)
