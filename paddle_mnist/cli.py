@@ -255,15 +255,19 @@ def run(
     model = distributed.wrap(model, env)
     distributed.set_untrained(model, untrained, env)
 
-    def meet() -> int:
+    cadence = preempt.Cadence()
+
+    def meet(at_step: int) -> int:
         """Where every rank meets: all stop if rank 0's last write failed; else the agreed stop signal (0: none).
-        One all-reduce of two numbers, so a signal that reached only some ranks stops all at the same step."""
-        signum, failed = distributed.all_reduce_max_values([stop.signum, files.failure is not None], env)
+        One all-reduce of three numbers, so a signal that reached only some ranks stops all at the same step."""
+        shared = [stop.signum, files.failure is not None, cadence.seconds_per_step(at_step)]
+        signum, failed, per_step = distributed.all_reduce_max_values(shared, env)
         if failed:
             raise WriteFailed(files.failure_message())
+        cadence.plan(at_step, per_step)
         return int(signum)
 
-    if signum := meet():  # a signal during start-up: data, model, checkpoint loading
+    if signum := meet(step):  # a signal during start-up: data, model, checkpoint loading
         raise _stopped(signum, step, "before training", resumed)
 
     started = time.time() - trained_before  # wall_time_s in results.json covers every session of the run
@@ -293,10 +297,11 @@ def run(
                 if saved:
                     save_mid_epoch(batch, at_step, loss_sum)
                 # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
-                if batch < steps_per_epoch and at_step < last_step and (signum := meet()):
+                meeting = batch < steps_per_epoch and at_step < last_step and cadence.due(at_step)
+                if meeting and (signum := meet(at_step)):
                     if not saved:
                         save_mid_epoch(batch, at_step, loss_sum)
-                        meet()  # a failed save stops every rank with the write error
+                        meet(at_step)  # a failed save stops every rank with the write error
                     where = f"epoch {epoch + 1}, batch {batch} of {steps_per_epoch}"
                     raise _stopped(signum, at_step, where, checkpoint.checkpoint_path(cfg.output_dir, at_step))
 
@@ -317,7 +322,7 @@ def run(
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
                 files.save_checkpoint(state_now(epoch + whole, 0 if whole else done, step))
-            if signum := meet():  # a signal during evaluation or the checkpoint write stops here
+            if signum := meet(step):  # a signal during evaluation or the checkpoint write stops here
                 raise _stopped(
                     signum, step, f"end of epoch {epoch + 1}", checkpoint.checkpoint_path(cfg.output_dir, step)
                 )
@@ -340,7 +345,7 @@ def run(
         "peak_rss_mb": peak_mb,
     }
     files.write_json("results.json", result)
-    meet()  # training is over: a signal from here on lets the run finish; a failed write still stops it
+    meet(step)  # training is over: a signal from here on lets the run finish; a failed write still stops it
     log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
         f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
