@@ -16,6 +16,7 @@ CKPT_DIR = "checkpoints"
 CKPT_NAME = re.compile(r"^step_(\d+)\.pdckpt$")
 DIGEST_SUFFIX = ".sha256"  # sha256sum's format, so `sha256sum -c step_00000064.pdckpt.sha256` checks one by hand
 ASIDE_SUFFIX = ".damaged"
+NAME_TABLE = "StructuredToParameterName@@"  # paddle.save's key for the tensor names of a bare state dict
 
 
 class CheckpointError(ValueError):
@@ -147,7 +148,7 @@ def load(path: Path) -> dict:
         raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
     _check_digest(path, data)
     try:
-        state = safeload.loads(data, safeload.CHECKPOINT)
+        state = safeload.loads(data, safeload.CHECKPOINT, encoding="latin1")  # as paddle.load reads them
     except safeload.Refused as e:
         raise CheckpointError(f"{path}: {e}; a checkpoint holds only tensors, arrays and plain values") from e
     except Exception as e:  # a damaged pickle fails in many ways: EOFError, UnpicklingError, ValueError, ...
@@ -155,6 +156,12 @@ def load(path: Path) -> dict:
         raise CheckpointError(f"{path}: unreadable, truncated or corrupt ({type(e).__name__}: {first})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of weights or a checkpoint")
+    if NAME_TABLE in state:  # paddle.save of a bare state dict (model.pdparams): arrays, their names in a table
+        names = state.pop(NAME_TABLE)
+        for key, name in names.items():
+            if isinstance(state.get(key), np.ndarray):
+                state[key] = _to_tensors((name, state[key]))
+        return state
     return _to_tensors(state)
 
 

@@ -144,9 +144,10 @@ class Cadence:
         return step >= self.next_step
 
     def seconds_per_step(self, step: int) -> float:
-        return (time.perf_counter() - self._time) / max(step - self._step, 1)
+        """Since the last meeting; 0 when no step was trained since (at start-up, or twice at one step)."""
+        return (time.perf_counter() - self._time) / (step - self._step) if step > self._step else 0.0
 
     def plan(self, step: int, slowest_per_step: float) -> None:
         self._step, self._time = step, time.perf_counter()
-        every = int(MEET_INTERVAL_S / max(slowest_per_step, 1e-6))
+        every = int(MEET_INTERVAL_S / slowest_per_step) if slowest_per_step > 0 else 1  # unknown: meet next step
         self.next_step = step + max(1, min(MAX_STEPS_BETWEEN, every))
