@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import re
 from pathlib import Path
 
@@ -114,9 +115,11 @@ def _check_digest(path: Path, data: bytes) -> None:
         raise CheckpointError(f"{path}: its digest {digest_path(path).name} is unreadable ({e})") from e
     actual = hashlib.sha256(data).hexdigest()
     if actual != recorded:
+        # every pickle ends with its STOP opcode: without it the file was cut short
+        damage = "corrupt" if data.endswith(pickle.STOP) else f"truncated ({len(data)} bytes, cut short)"
         raise CheckpointError(
-            f"{path}: SHA-256 {actual[:12]}... does not match {recorded[:12]}... in {digest_path(path).name} "
-            f"(damaged on disk: {len(data)} bytes)"
+            f"{path}: {damage}: its SHA-256 {actual[:12]}... does not match {recorded[:12]}... "
+            f"in {digest_path(path).name}"
         )
 
 
