@@ -102,3 +102,52 @@ def test_sigterm_mid_epoch_and_during_evaluation_then_resume_equals_uninterrupte
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def test_sigterm_during_start_up_stops_before_training_with_nothing_to_save(tmp_path, data_dir):
+    out, log_path = tmp_path / "o", tmp_path / "run.log"
+    with open(log_path, "w") as log:
+        job = subprocess.Popen(
+            [sys.executable, str(TRAIN_PY), *ARGS, "--data-dir", str(data_dir), "--output-dir", str(out)],
+            cwd=tmp_path, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    signal_when(job, log_path, "rank 0 of world size 1")  # logged once the data is loaded, before the model exists
+    assert job.wait(timeout=60) == 128 + signal.SIGTERM
+    text = log_path.read_text()
+    assert "stopped by SIGTERM at step 0 (before training); nothing trained yet, so no checkpoint" in text, text
+    assert "--resume auto" in text and "epoch 1 step" not in text and "Traceback" not in text
+    assert not checkpoint.list_checkpoints(out)
+
+
+STOPPING = """
+import sys, time
+import paddle  # installs Paddle's own handler, which aborts on SIGTERM
+from paddle_mnist.preempt import StopSignals
+stop = StopSignals().install()
+print("ready", flush=True)
+while not stop.signum:
+    time.sleep(0.01)
+print("stopping", flush=True)
+time.sleep(60)  # a stop that takes long: only a second signal ends it
+"""
+
+
+def test_repeats_within_a_second_are_one_request_and_a_later_signal_ends_at_once(tmp_path):
+    """Paddle's launcher passes SIGTERM on three times, 0.2 s apart: one request. A signal after that ends the
+    process at once with 128 + its number, even while the trainer is busy stopping."""
+    job = subprocess.Popen([sys.executable, "-c", STOPPING], env=launch_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "ready"
+        for _ in range(3):
+            job.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+        assert job.stdout.readline().strip() == "stopping"
+        time.sleep(0.8)
+        assert job.poll() is None, "a repeat within a second ended the process"
+        sent = time.time()
+        job.send_signal(signal.SIGINT)
+        assert job.wait(timeout=10) == 128 + signal.SIGINT
+        assert time.time() - sent < 2
+    finally:
+        if job.poll() is None:
+            job.kill()
