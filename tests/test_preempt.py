@@ -14,6 +14,7 @@ import pytest
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
 
 from paddle_mnist import checkpoint
+from paddle_mnist.logs import summarise
 
 ARGS = ["--dataset", "mnist", "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
 # 64 steps an epoch: the ranks meet about every 0.25 s, so a signal early in the epoch stops it mid-epoch
@@ -79,6 +80,7 @@ def test_sigterm_mid_epoch_and_during_evaluation_then_resume_equals_uninterrupte
     assert 8 <= step < 64 and first.group(3) == f"epoch 1, batch {step} of 64"
     assert Path(first.group(4)) == checkpoint.checkpoint_path(out, step) and Path(first.group(4)).is_file()
     assert "paddle.distributed.launch" in first.group(5) and str(out) in first.group(5)
+    assert "rank 0   signalled" in summarise(tmp_path / "l1")
 
     # resumed, and stopped again while the workers evaluate epoch 1 (1000 test images, 2 at a time)
     job = launch(
