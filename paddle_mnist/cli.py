@@ -283,24 +283,30 @@ def run(
                 break
             sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
 
-            def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
-                # every rank takes part, so a resumed run restarts each rank from the statistics it had
-                by_rank = distributed.gather_untrained(model, env)
+            def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, stop: bool, epoch: int = epoch):
+                if stop:
+                    # a save an uninterrupted run does not make: keep each rank's batch norm statistics as they
+                    # are (averaging them would change the final ones in the last bits), for the resumed run
+                    extra = {"untrained_by_rank": distributed.gather_untrained(model, env)}
+                else:
+                    # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
+                    distributed.average_running_statistics(model, env)
+                    extra = {}
                 # never let diverged weights push a good checkpoint out; the next loss check stops every rank
                 if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
-                    files.save_checkpoint({**state_now(epoch, batch, at_step), "untrained_by_rank": by_rank})
+                    files.save_checkpoint({**state_now(epoch, batch, at_step), **extra})
 
             def after_step(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
                 dog.progress(at_step)
                 every = cfg.save_every_steps
                 saved = every and at_step % every == 0 and batch < steps_per_epoch
                 if saved:
-                    save_mid_epoch(batch, at_step, loss_sum)
+                    save_mid_epoch(batch, at_step, loss_sum, stop=False)
                 # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
                 meeting = batch < steps_per_epoch and at_step < last_step and cadence.due(at_step)
                 if meeting and (signum := meet(at_step)):
                     if not saved:
-                        save_mid_epoch(batch, at_step, loss_sum)
+                        save_mid_epoch(batch, at_step, loss_sum, stop=True)
                         meet(at_step)  # a failed save stops every rank with the write error
                     where = f"epoch {epoch + 1}, batch {batch} of {steps_per_epoch}"
                     raise _stopped(signum, at_step, where, checkpoint.checkpoint_path(cfg.output_dir, at_step))

@@ -189,9 +189,9 @@ def _untrained(model: paddle.nn.Layer) -> list[paddle.Tensor]:
 def gather_untrained(model: paddle.nn.Layer, env: DistEnv) -> list[np.ndarray]:
     """Every rank's untrained state (batch norm running statistics), one flat float64 vector per rank.
 
-    A mid-epoch checkpoint keeps them all instead of their average, so a resumed run continues each rank's
-    statistics exactly where they were: averaging at a step the uninterrupted run does not average at would
-    change the final statistics in the last bits. float64 holds float32, float16 and bfloat16 values exactly.
+    The checkpoint of a stop (SIGTERM) keeps them all instead of their average, so a resumed run continues each
+    rank's statistics exactly where they were: averaging at a step the uninterrupted run does not average at
+    would change the final statistics in the last bits. float64 holds float32, float16 and bfloat16 exactly.
     """
     tensors = _untrained(model)
     if not tensors:
