@@ -283,8 +283,8 @@ def run(
                 break
             sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
 
-            def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, stop: bool, epoch: int = epoch):
-                if stop:
+            def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, for_stop: bool, epoch: int = epoch):
+                if for_stop:
                     # a save an uninterrupted run does not make: keep each rank's batch norm statistics as they
                     # are (averaging them would change the final ones in the last bits), for the resumed run
                     extra = {"untrained_by_rank": distributed.gather_untrained(model, env)}
@@ -301,12 +301,12 @@ def run(
                 every = cfg.save_every_steps
                 saved = every and at_step % every == 0 and batch < steps_per_epoch
                 if saved:
-                    save_mid_epoch(batch, at_step, loss_sum, stop=False)
+                    save_mid_epoch(batch, at_step, loss_sum, for_stop=False)
                 # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
                 meeting = batch < steps_per_epoch and at_step < last_step and cadence.due(at_step)
                 if meeting and (signum := meet(at_step)):
                     if not saved:
-                        save_mid_epoch(batch, at_step, loss_sum, stop=True)
+                        save_mid_epoch(batch, at_step, loss_sum, for_stop=True)
                         meet(at_step)  # a failed save stops every rank with the write error
                     where = f"epoch {epoch + 1}, batch {batch} of {steps_per_epoch}"
                     raise _stopped(signum, at_step, where, checkpoint.checkpoint_path(cfg.output_dir, at_step))
