@@ -1,29 +1,71 @@
-"""Checkpoints and weights: written to a temporary file and renamed, so a crash never leaves half a file."""
+"""Checkpoints and weights: written atomically with a SHA-256 beside them, read back without running code."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import re
 from pathlib import Path
 
+import numpy as np
 import paddle
+
+from . import safeload
 
 CKPT_DIR = "checkpoints"
 CKPT_NAME = re.compile(r"^step_(\d+)\.pdckpt$")
+DIGEST_SUFFIX = ".sha256"  # sha256sum's format, so `sha256sum -c step_00000064.pdckpt.sha256` checks one by hand
+ASIDE_SUFFIX = ".damaged"
+NAME_TABLE = "StructuredToParameterName@@"  # paddle.save's key for the tensor names of a bare state dict
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or weights file that is missing, damaged, or holds something other than plain data."""
+
+
+class WriteError(OSError):
+    """A file could not be written; the message names it and the system's reason. No partial file is left."""
+
+
+def digest_path(path: Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def save_atomic(obj: object, path: Path) -> None:
+    """paddle.save to a temporary file, then its SHA-256 beside it, then rename: a crash, a full disk or a signal
+    never leaves half a file under the real name, and never touches the files already there.
+
+    The digest is renamed into place first: a checkpoint never appears without its digest.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp, tmp_digest = _tmp(path), _tmp(digest_path(path))
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         paddle.save(obj, str(tmp))
+        data = tmp.read_bytes()
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        _write_synced(tmp_digest, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
+        os.replace(tmp_digest, digest_path(path))
         os.replace(tmp, path)
+    except OSError as e:
+        raise WriteError(e.errno, e.strerror or str(e)) from e  # the system's reason; the caller names the file
     finally:
         tmp.unlink(missing_ok=True)
+        tmp_digest.unlink(missing_ok=True)
 
 
 def checkpoint_path(output_dir: Path, step: int) -> Path:
@@ -39,13 +81,91 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(path: Path) -> int:
+    return int(CKPT_NAME.match(Path(path).name).group(1))
+
+
 def prune(output_dir: Path, keep: int) -> None:
     for old in list_checkpoints(output_dir)[:-keep]:
         old.unlink(missing_ok=True)
+        digest_path(old).unlink(missing_ok=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint (and its digest) out of the way, never deleting it; the new name."""
+    path = Path(path)
+    aside = path.with_name(path.name + ASIDE_SUFFIX)
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{ASIDE_SUFFIX}{n}")
+    os.replace(path, aside)
+    if digest_path(path).exists():
+        os.replace(digest_path(path), digest_path(aside))
+    return aside
+
+
+def _check_digest(path: Path, data: bytes) -> None:
+    """Files written before digests existed have none: they are trusted as far as the restricted loader goes."""
+    try:
+        recorded = digest_path(path).read_text().split()[0]
+    except FileNotFoundError:
+        return
+    except (OSError, IndexError) as e:
+        raise CheckpointError(f"{path}: its digest {digest_path(path).name} is unreadable ({e})") from e
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != recorded:
+        # every pickle ends with its STOP opcode: without it the file was cut short
+        damage = "corrupt" if data.endswith(pickle.STOP) else f"truncated ({len(data)} bytes, cut short)"
+        raise CheckpointError(
+            f"{path}: {damage}: its SHA-256 {actual[:12]}... does not match {recorded[:12]}... "
+            f"in {digest_path(path).name}"
+        )
+
+
+def _to_tensors(obj: object) -> object:
+    """paddle.save writes a tensor as (name, ndarray); turn those back into tensors, as paddle.load does."""
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], np.ndarray):
+        t = paddle.to_tensor(obj[1])
+        t.name = obj[0]
+        return t
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_tensors(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_to_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_tensors(v) for v in obj)
+    return obj
 
 
 def load(path: Path) -> dict:
-    return paddle.load(str(path))
+    """A checkpoint or weights file written by save_atomic (or paddle.save), checked against its digest and read
+    by the restricted unpickler: dicts, lists, tuples, strings, numbers, arrays, tensors and RNG states only.
+
+    Raises CheckpointError, one line naming the file and what is wrong (damaged, or refused before it could run).
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+    _check_digest(path, data)
+    try:
+        state = safeload.loads(data, safeload.CHECKPOINT, encoding="latin1")  # as paddle.load reads them
+    except safeload.Refused as e:
+        raise CheckpointError(f"{path}: {e}; a checkpoint holds only tensors, arrays and plain values") from e
+    except Exception as e:  # a damaged pickle fails in many ways: EOFError, UnpicklingError, ValueError, ...
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: unreadable, truncated or corrupt ({type(e).__name__}: {first})") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not a dict of weights or a checkpoint")
+    if NAME_TABLE in state:  # paddle.save of a bare state dict (model.pdparams): arrays, their names in a table
+        names = state.pop(NAME_TABLE)
+        for key, name in names.items():
+            if isinstance(state.get(key), np.ndarray):
+                state[key] = _to_tensors((name, state[key]))
+        return state
+    return _to_tensors(state)
 
 
 def digest(model: paddle.nn.Layer) -> str:

@@ -7,23 +7,29 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import paddle
 
-from . import augment, checkpoint, cpu, data, distributed, engine, timing
+from . import augment, checkpoint, cpu, data, distributed, engine, preempt, timing
 from .config import Config, ConfigError, effective_lr, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
 from .ema import WeightAverage
+from .lock import RunLock
 from .log import get_logger, memory_mb
 from .models import build_model, count_parameters
-from .outputs import RunFiles, output_dir_problem
+from .outputs import RunFiles, WriteFailed, output_dir_problem
+from .preempt import Preempted, StopSignals
 from .watchdog import Watchdog
 
 
-def _agree_output_dir(cfg: Config, env: DistEnv) -> None:
-    """Rank 0 judges --output-dir; every rank learns the verdict, so no worker waits on one that quit."""
-    problem = output_dir_problem(cfg) if env.is_main else None
+def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Logger) -> None:
+    """Rank 0 takes the run's lock and judges --output-dir; every rank learns the verdict, so no worker waits on
+    one that quit. The lock is the whole job's: the other ranks, on this node or others, share rank 0's."""
+    problem = (lock.acquire() or output_dir_problem(cfg)) if env.is_main else None
+    if lock.taken_over:
+        log.warning(f"warning: took over {lock.path}, left by a run that no longer exists: {lock.taken_over}")
     refused = distributed.all_reduce_sum([1.0 if problem else 0.0], env)[0]
     if problem:
         raise ConfigError(problem)
@@ -80,7 +86,8 @@ def _checkpoint_state(
     model, opt, sched, scaler, ema, cfg: Config, epoch: int, batch_in_epoch: int, step: int, elapsed_s: float
 ) -> dict:
     """epoch counts whole epochs done; batch_in_epoch the batches of the next one already trained; elapsed_s the
-    training time up to here, summed over the sessions of a resumed run."""
+    training time up to here, summed over the sessions of a resumed run. Mid-epoch, the caller adds every rank's
+    batch norm statistics (untrained_by_rank)."""
     return {
         "model": distributed.unwrap(model).state_dict(),
         "ema": ema.state_dict() if ema else None,
@@ -96,7 +103,38 @@ def _checkpoint_state(
     }
 
 
-def _restore(path, model, opt, sched, scaler, ema, cfg: Config) -> tuple[int, int, int, float]:
+def _choose_checkpoint(cfg: Config, env: DistEnv, log: logging.Logger) -> Path | None:
+    """The newest intact checkpoint, chosen by rank 0 for every rank; damaged ones are set aside with a warning.
+
+    Intact: its SHA-256 matches and the restricted loader reads it. When checkpoints exist but none is intact,
+    the run stops before anything is overwritten.
+    """
+    chosen, tried = None, []
+    if env.is_main and cfg.resume != "no":
+        for path in reversed(checkpoint.list_checkpoints(cfg.output_dir)):
+            try:
+                checkpoint.load(path)
+            except checkpoint.CheckpointError as e:
+                aside = checkpoint.set_aside(path)
+                log.warning(f"warning: {e}; set aside as {aside.name}, trying the next older checkpoint")
+                tried.append(f"{path.name} ({aside.name})")
+                continue
+            chosen = path
+            break
+    step, failed = distributed.all_reduce_max_values(
+        [checkpoint.step_of(chosen) if chosen else -1, 1.0 if tried and not chosen else 0.0], env
+    )
+    if failed:
+        folder = Path(cfg.output_dir) / checkpoint.CKPT_DIR
+        what = f"tried, and set aside: {', '.join(tried)}" if env.is_main else "rank 0's log names what it tried"
+        raise ConfigError(
+            f"--resume: no intact checkpoint in {folder} ({what}); nothing was overwritten: restore a checkpoint, "
+            "or start afresh with --overwrite and without --resume"
+        )
+    return checkpoint.checkpoint_path(cfg.output_dir, int(step)) if step >= 0 else None
+
+
+def _restore(path, model, opt, sched, scaler, ema, cfg: Config, untrained: dict) -> tuple[int, int, int, float]:
     state = checkpoint.load(path)
     saved = state.get("config", {})
     for key in ("model", "dataset", "batch_size"):
@@ -107,6 +145,8 @@ def _restore(path, model, opt, sched, scaler, ema, cfg: Config) -> tuple[int, in
                 f"pass {flag} {saved.get(key)} or another --output-dir"
             )
     model.set_state_dict(state["model"])
+    # set after DataParallel has broadcast rank 0's
+    untrained.update(model=state.get("untrained_by_rank") or [], ema=state.get("ema_untrained_by_rank") or [])
     opt.set_state_dict(state["optimizer"])
     sched.set_state_dict(state["lr_scheduler"])
     if scaler and state.get("scaler"):
@@ -164,7 +204,20 @@ def _log_epoch(log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochS
     )
 
 
-def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
+def _stopped(signum: int, step: int, where: str, saved: Path | None) -> Preempted:
+    kept = f"checkpoint {saved}" if saved else "nothing trained yet, so no checkpoint"
+    return Preempted(
+        signum,
+        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}); {kept}; "
+        f"continue with: {preempt.resume_command()}",
+    )
+
+
+def run(
+    cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals | None = None, lock: RunLock | None = None
+) -> dict:
+    stop = stop or StopSignals()  # not installed: no signal is ever recorded
+    lock = lock or RunLock(cfg.output_dir)
     if cfg.amp == "fp16" and env.device == "cpu":
         raise ConfigError(
             "--amp fp16 needs a GPU: Paddle's CPU kernels compute in float32 or bfloat16; "
@@ -183,7 +236,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             "lower --batch-size or raise --train-limit"
         )
     _log_start(log, cfg, env, ds, (train, val_split, test), threads)
-    _agree_output_dir(cfg, env)
+    _agree_output_dir(cfg, env, lock, log)
 
     paddle.seed(cfg.seed)  # the same seed on every rank: the same initial weights everywhere
     np.random.seed(cfg.seed)
@@ -202,13 +255,32 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
 
     start_epoch = skip = step = 0
     trained_before = 0.0  # seconds of training in earlier sessions of this run
-    ckpts = checkpoint.list_checkpoints(cfg.output_dir) if cfg.resume != "no" else []
-    if ckpts:
-        start_epoch, skip, step, trained_before = _restore(ckpts[-1], model, opt, sched, scaler, ema, cfg)
-        log.info(f"resumed from {ckpts[-1]}: epoch {start_epoch + 1}, batch {skip}, step {step}")
+    untrained: dict[str, list] = {}  # every rank's batch norm statistics, from a stop's checkpoint
+    resumed = _choose_checkpoint(cfg, env, log)
+    if resumed:
+        start_epoch, skip, step, trained_before = _restore(resumed, model, opt, sched, scaler, ema, cfg, untrained)
+        log.info(f"resumed from {resumed}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
-    files.start(start_epoch if ckpts else None)
+    files.start(start_epoch if resumed else None)
     model = distributed.wrap(model, env)
+    distributed.set_untrained(model, untrained.get("model", []), env)
+    if ema:
+        distributed.set_untrained(ema.net, untrained.get("ema", []), env)
+
+    cadence = preempt.Cadence()
+
+    def meet(at_step: int) -> int:
+        """Where every rank meets: all stop if rank 0's last write failed; else the agreed stop signal (0: none).
+        One all-reduce of three numbers, so a signal that reached only some ranks stops all at the same step."""
+        shared = [stop.signum, files.failure is not None, cadence.seconds_per_step(at_step)]
+        signum, failed, per_step = distributed.all_reduce_max_values(shared, env)
+        if failed:
+            raise WriteFailed(files.failure_message())
+        cadence.plan(at_step, per_step)
+        return int(signum)
+
+    if signum := meet(step):  # a signal during start-up: data, model, checkpoint loading
+        raise _stopped(signum, step, "before training", resumed)
 
     started = time.time() - trained_before  # wall_time_s in results.json covers every session of the run
 
@@ -232,17 +304,37 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
                 break
             sampler.set_epoch(data.sampler_epoch(cfg.seed, epoch))
 
+            def save_mid_epoch(batch: int, at_step: int, loss_sum: paddle.Tensor, for_stop: bool, epoch: int = epoch):
+                if for_stop:
+                    # a save an uninterrupted run does not make: keep each rank's batch norm statistics as they
+                    # are (averaging them would change the final ones in the last bits), for the resumed run
+                    extra = {"untrained_by_rank": distributed.gather_untrained(model, env)}
+                    if ema:
+                        extra["ema_untrained_by_rank"] = distributed.gather_untrained(ema.net, env)
+                else:
+                    # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
+                    average_statistics()
+                    extra = {}
+                # never let diverged weights push a good checkpoint out; the next loss check stops every rank
+                if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
+                    files.save_checkpoint({**state_now(epoch, batch, at_step), **extra})
+
             def after_step(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
                 dog.progress(at_step)
                 if ema:
                     ema.update(at_step)
                 every = cfg.save_every_steps
-                if every and at_step % every == 0 and batch < steps_per_epoch:
-                    # a resumed run restarts from the statistics it had, on every rank
-                    average_statistics()
-                    # never let diverged weights push a good checkpoint out; the next loss check stops every rank
-                    if files.enabled and np.isfinite(float(loss_sum)) and _weights_finite(model):
-                        files.save_checkpoint(state_now(epoch, batch, at_step))
+                saved = every and at_step % every == 0 and batch < steps_per_epoch
+                if saved:
+                    save_mid_epoch(batch, at_step, loss_sum, for_stop=False)
+                # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
+                meeting = batch < steps_per_epoch and at_step < last_step and cadence.due(at_step)
+                if meeting and (signum := meet(at_step)):
+                    if not saved:
+                        save_mid_epoch(batch, at_step, loss_sum, for_stop=True)
+                        meet(at_step)  # a failed save stops every rank with the write error
+                    where = f"epoch {epoch + 1}, batch {batch} of {steps_per_epoch}"
+                    raise _stopped(signum, at_step, where, checkpoint.checkpoint_path(cfg.output_dir, at_step))
 
             plan = engine.EpochPlan(epoch, skip, step, last_step)
             stats = engine.train_one_epoch(
@@ -261,6 +353,10 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
                 files.save_checkpoint(state_now(epoch + whole, 0 if whole else done, step))
+            if signum := meet(step):  # a signal during evaluation or the checkpoint write stops here
+                raise _stopped(
+                    signum, step, f"end of epoch {epoch + 1}", checkpoint.checkpoint_path(cfg.output_dir, step)
+                )
             if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
                 log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {epoch + 1}")
                 break
@@ -283,6 +379,7 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         "peak_rss_mb": peak_mb,
     }
     files.write_json("results.json", result)
+    meet(step)  # training is over: a signal from here on lets the run finish; a failed write still stops it
     log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
         f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
@@ -290,7 +387,9 @@ def run(cfg: Config, env: DistEnv, log: logging.Logger) -> dict:
         f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
     )
     files.finish()
-    _export(files, net, ds, cfg)  # last: if paddle.jit.save fails, the weights and results are already written
+    failed = _export(files, net, ds, cfg)  # last: if paddle.jit.save fails, the weights and results are written
+    if distributed.all_reduce_max_values([failed is not None], env)[0]:
+        raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
     distributed.barrier(env)
     return result
 
@@ -299,17 +398,21 @@ class ExportFailed(RuntimeError):
     """paddle.jit.save failed after training; the weights and results were written before it."""
 
 
-def _export(files: RunFiles, net: paddle.nn.Layer, ds: data.Dataset, cfg: Config) -> None:
+def _export(files: RunFiles, net: paddle.nn.Layer, ds: data.Dataset, cfg: Config) -> ExportFailed | None:
+    """None, or the error to raise on every rank once they all know (rank 0 exports alone)."""
     try:
         files.export_inference(net, ds)
     except Exception as e:
         out = cfg.output_dir
-        raise ExportFailed(
+        failed = ExportFailed(
             f"exporting the inference model to {os.path.join(out, 'inference')} failed ({type(e).__name__}: {e}); "
             f"nothing else is lost: the weights are in {os.path.join(out, 'model.pdparams')} and the results in "
             f"{os.path.join(out, 'results.json')}. Fix the cause, then run the same command with --resume yes: "
             "it loads the finished run's last checkpoint and exports again without training"
-        ) from e
+        )
+        failed.__cause__ = e
+        return failed
+    return None
 
 
 def _point_to_summary(log: logging.Logger) -> None:
@@ -320,6 +423,7 @@ def _point_to_summary(log: logging.Logger) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     cpu.prefer_fast_kernels()  # first: MKL reads its settings at the first matmul or convolution
+    stop = StopSignals().install()  # then take SIGTERM/SIGINT over: Paddle's import installed handlers that abort
     try:
         cfg = parse_args(argv)
         env = distributed.setup()
@@ -327,9 +431,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     log = get_logger(env)
+    stop.log = log
+    lock = RunLock(cfg.output_dir)
+    stop.on_abort.append(lock.release)
     try:
-        run(resolve_for_world(cfg, env.world_size), env, log)
-    except (ConfigError, data.DataError, engine.Diverged) as e:
+        run(resolve_for_world(cfg, env.world_size), env, log, stop, lock)
+    except Preempted as e:
+        log.warning(str(e))
+        return preempt.exit_code(e.signum)
+    except WriteFailed as e:
+        log.error(f"error: {e}")
+        _point_to_summary(log)
+        return 1
+    except (ConfigError, data.DataError, engine.Diverged, checkpoint.CheckpointError) as e:
         log.error(f"error: {e}")
         _point_to_summary(log)
         return 2
@@ -341,4 +455,6 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("error: the run failed")
         _point_to_summary(log)
         return 1
+    finally:
+        lock.release()
     return 0

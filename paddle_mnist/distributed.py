@@ -173,14 +173,49 @@ def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
     """
     if env.world_size == 1:
         return
-    net = unwrap(model)
-    untrained = [p for p in net.parameters() if p.stop_gradient] + list(net.buffers())
     groups: dict[str, list[paddle.Tensor]] = {}
-    for t in untrained:
-        if t.is_floating_point():
-            groups.setdefault(str(t.dtype), []).append(t)
+    for t in _untrained(model):
+        groups.setdefault(str(t.dtype), []).append(t)
     for group in groups.values():
         _average_in_place(group)
+
+
+def _untrained(model: paddle.nn.Layer) -> list[paddle.Tensor]:
+    net = unwrap(model)
+    state = [p for p in net.parameters() if p.stop_gradient] + list(net.buffers())
+    return [t for t in state if t.is_floating_point()]
+
+
+def gather_untrained(model: paddle.nn.Layer, env: DistEnv) -> list[np.ndarray]:
+    """Every rank's untrained state (batch norm running statistics), one flat float64 vector per rank.
+
+    The checkpoint of a stop (SIGTERM) keeps them all instead of their average, so a resumed run continues each
+    rank's statistics exactly where they were: averaging at a step the uninterrupted run does not average at
+    would change the final statistics in the last bits. float64 holds float32, float16 and bfloat16 exactly.
+    """
+    tensors = _untrained(model)
+    if not tensors:
+        return []
+    flat = paddle.concat([t.astype("float64").reshape([-1]) for t in tensors])
+    if env.world_size == 1:
+        return [flat.numpy()]
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, flat)
+    return [t.numpy() for t in gathered]
+
+
+def set_untrained(model: paddle.nn.Layer, by_rank: list[np.ndarray], env: DistEnv) -> None:
+    """Restore this rank's entry of gather_untrained (their mean when the world size changed)."""
+    tensors = _untrained(model)
+    if not by_rank or not tensors:
+        return
+    flat = by_rank[env.rank] if len(by_rank) == env.world_size else np.mean(by_rank, axis=0)
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        value = paddle.to_tensor(flat[offset : offset + n].reshape(t.shape)).astype(t.dtype)
+        paddle.assign(value, output=t)
+        offset += n
 
 
 def _average_in_place(tensors: list[paddle.Tensor]) -> None:
@@ -222,6 +257,16 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     t = paddle.to_tensor([value], dtype="float64")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.numpy()[0])
+
+
+def all_reduce_max_values(values: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Element-wise maximum of a small float64 vector over all workers."""
+    values = np.asarray(values, dtype=np.float64)
+    if env.world_size == 1:
+        return values
+    t = paddle.to_tensor(values, dtype="float64")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.numpy()
 
 
 def job_store():

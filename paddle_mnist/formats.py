@@ -7,10 +7,7 @@ a partial file. Images come back as uint8 (N, C, H, W), labels as int64 (N,).
 from __future__ import annotations
 
 import gzip
-import importlib
-import io
 import json
-import pickle
 import re
 import tarfile
 import zlib
@@ -18,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+
+from . import safeload
 
 CIFAR_FOLDER = "cifar-10-batches-py"
 CIFAR_TRAIN = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -73,53 +72,11 @@ def check_pair(images: np.ndarray, labels: np.ndarray, where: str, classes: int 
 
 # ---- CIFAR-10: pickled dicts inside a tar.gz; loaded without ever running code from the file ----
 
-_NUMPY_GLOBALS = {
-    ("numpy", "ndarray"): lambda: np.ndarray,
-    ("numpy", "dtype"): lambda: np.dtype,
-    ("numpy.core.multiarray", "_reconstruct"): lambda: _numpy_reconstruct(),
-    ("numpy._core.multiarray", "_reconstruct"): lambda: _numpy_reconstruct(),
-    ("_codecs", "encode"): lambda: _latin1_bytes,
-}  # the real batches were pickled by Python 2 (protocol 2): arrays come back through _reconstruct
-
-
-def _latin1_bytes(text: str, encoding: str = "latin1") -> bytes:
-    """How a protocol-2 pickle written by Python 3 spells bytes; only that use of codecs is admitted."""
-    if not isinstance(text, str) or encoding.replace("-", "") != "latin1":
-        raise _Refused(f"refused to load _codecs.encode with {encoding!r}: only latin1 text is bytes")
-    return text.encode("latin1")
-
-
-def _numpy_reconstruct():
-    for module in ("numpy._core.multiarray", "numpy.core.multiarray"):  # numpy 2, numpy 1
-        try:
-            return importlib.import_module(module)._reconstruct
-        except (ImportError, AttributeError):
-            continue
-    raise DataError("this numpy has no array reconstruction function")
-
-
-class _Refused(pickle.UnpicklingError):
-    """The pickle asked for something outside the allowed list."""
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Admits plain containers, strings, bytes and numbers, and numpy's array reconstruction; nothing else.
-
-    Everything callable in a pickle goes through find_class, so refusing here means a crafted file cannot
-    make the loader import or call anything else (os.system, eval, ...).
-    """
-
-    def find_class(self, module: str, name: str):
-        make = _NUMPY_GLOBALS.get((module, name))
-        if make is None:
-            raise _Refused(f"refused to load {module}.{name}: the file may try to run code")
-        return make()
-
 
 def safe_unpickle(data: bytes, where: str) -> object:
     try:
-        return _RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
-    except _Refused as e:
+        return safeload.loads(data, safeload.NUMPY, encoding="bytes")
+    except safeload.Refused as e:
         raise DataError(f"{where}: {e}; CIFAR-10 batches hold only arrays and lists, so this is not one") from e
     except Exception as e:  # a damaged pickle fails in many ways: EOFError, ValueError, KeyError, ...
         raise DataError(f"{where}: not a readable CIFAR-10 batch ({type(e).__name__}: {e})") from e

@@ -20,7 +20,8 @@ WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 class RankReport:
     log: Path
     rank: int | None  # global rank from the lines' tags; None if the worker died before logging
-    status: str  # "finished", "error", "crashed" (traceback), or "stopped" (no end: killed or still running)
+    status: str  # "finished", "error", "crashed" (traceback), "signalled" (SIGTERM/SIGINT, checkpoint saved),
+    # or "stopped" (no end: killed or still running)
     where: str  # the last progress the worker reported
     message: str  # the error line or traceback, if any
     mtime: float
@@ -38,7 +39,10 @@ def read_rank(path: Path) -> RankReport:
             where = f"end of epoch {m.group(3)} of {m.group(4)}"
     status, message = "stopped", ""
     errors = [line for line in lines if "] error: " in line or line.startswith("error: ")]
-    if "Traceback (most recent call last):" in text:
+    signalled = [line for line in lines if "] stopped by SIG" in line or "] stopped at once by a second SIG" in line]
+    if signalled:
+        status, message = "signalled", signalled[-1].split("] ", 1)[1]
+    elif "Traceback (most recent call last):" in text:
         status, message = "crashed", text[text.rindex("Traceback (most recent call last):") :].strip()
     elif errors:
         status, message = "error", errors[-1].split("error: ", 1)[1]

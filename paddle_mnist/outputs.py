@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import subprocess
@@ -18,10 +20,17 @@ from .distributed import DistEnv
 RESULT_FILES = ("metrics.jsonl", "model.pdparams", "inference_meta.json", checkpoint.CKPT_DIR)
 
 
+class WriteFailed(RuntimeError):
+    """A file of the run could not be written; every rank stops. The message is the one line each rank logs."""
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
 
 
 def output_dir_problem(cfg: Config) -> str | None:
@@ -61,11 +70,40 @@ class RunFiles:
         self._plotter: subprocess.Popen | None = None
         self._drawn_at = -float("inf")
         self._rows = 0
+        self.failure: str | None = None  # the first write that failed: its file and the system's reason
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        """Record a write's OSError instead of raising it, so that every rank can learn of it at the next point
+        where they all meet (failure_agreed) and stop together; later writes are skipped."""
+        try:
+            yield
+        except OSError as e:
+            code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+            self.failure = self.failure or f"cannot write {path}: {e.strerror or e}{code}"
+
+    def failure_message(self) -> str:
+        """The line every rank logs when a write failed: on rank 0 which file and why, and what was kept."""
+        if not self.enabled:
+            return (
+                "rank 0 could not write a file of the run (the file and the reason are in its log, workerlog.0); "
+                "stopping with it"
+            )
+        kept = checkpoint.list_checkpoints(self.out)
+        last = f"the last good checkpoint {kept[-1]} is intact" if kept else "no checkpoint had been written yet"
+        return (
+            f"{self.failure}; {last} and no partial file was left. Free space or fix the cause, then continue "
+            "with the same command and --resume auto"
+        )
 
     def start(self, resumed_epoch: int | None) -> None:
         """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them."""
-        if not self.enabled:
+        if not self.enabled or self.failure:
             return
+        with self._writing(self.out):
+            self._start(resumed_epoch)
+
+    def _start(self, resumed_epoch: int | None) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         _write_text_atomic(self.out / "config.json", self.cfg.to_json() + "\n")
         metrics = self.out / "metrics.jsonl"
@@ -80,10 +118,21 @@ class RunFiles:
             _write_text_atomic(metrics, "".join(r + "\n" for r in kept))
 
     def append_metrics(self, row: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or self.failure:
             return
-        with open(self.out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        path = self.out / "metrics.jsonl"
+        with self._writing(path):
+            with open(path, "a") as f:
+                size = f.tell()
+                try:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        f.truncate(size)  # no half row: the file ends with the last complete epoch
+                    raise
+        if self.failure:
+            return
         self._rows += 1
         idle = self._plotter is None or self._plotter.poll() is not None  # one drawing at a time
         if idle and time.monotonic() - self._drawn_at >= PLOT_INTERVAL_S:
@@ -108,14 +157,17 @@ class RunFiles:
         self._draw().wait()
 
     def save_checkpoint(self, state: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or self.failure:
             return
-        checkpoint.save_atomic(state, checkpoint.checkpoint_path(self.out, state["step"]))
-        checkpoint.prune(self.out, self.cfg.keep_checkpoints)
+        path = checkpoint.checkpoint_path(self.out, state["step"])
+        with self._writing(path):
+            checkpoint.save_atomic(state, path)
+            checkpoint.prune(self.out, self.cfg.keep_checkpoints)
 
     def save_weights(self, model: paddle.nn.Layer) -> None:
-        if self.enabled:
-            checkpoint.save_atomic(model.state_dict(), self.out / "model.pdparams")
+        if self.enabled and not self.failure:
+            with self._writing(self.out / "model.pdparams"):
+                checkpoint.save_atomic(model.state_dict(), self.out / "model.pdparams")
 
     def export_inference(self, net: paddle.nn.Layer, ds: data.Dataset) -> None:
         """The unwrapped network for python -m paddle_mnist.predict --model OUTPUT_DIR/inference."""
@@ -123,5 +175,6 @@ class RunFiles:
             export.export_inference(net, ds, self.out / "inference")
 
     def write_json(self, name: str, obj: dict) -> None:
-        if self.enabled:
-            _write_text_atomic(self.out / name, json.dumps(obj, indent=2) + "\n")
+        if self.enabled and not self.failure:
+            with self._writing(self.out / name):
+                _write_text_atomic(self.out / name, json.dumps(obj, indent=2) + "\n")

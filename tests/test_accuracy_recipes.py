@@ -11,7 +11,7 @@ import paddle
 import pytest
 from helpers import REPO, explain, launch_env, make_dataset, run_single
 
-from paddle_mnist import config, data
+from paddle_mnist import checkpoint, config, data
 from paddle_mnist.distributed import DistEnv
 from paddle_mnist.ema import WeightAverage, ema_decay
 from paddle_mnist.engine import evaluate
@@ -55,7 +55,7 @@ def test_ema_run_evaluates_saves_and_checkpoints_the_average(fashion_dir, tmp_pa
     proc = run_single([*args, "--log-every", "0", "--output-dir", str(out)], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     saved = paddle.load(str(out / "model.pdparams"))
-    ckpt = paddle.load(str(sorted((out / "checkpoints").iterdir())[-1]))
+    ckpt = paddle.load(str(checkpoint.list_checkpoints(out)[-1]))
     for key in saved:
         np.testing.assert_array_equal(saved[key].numpy(), ckpt["ema"][key].numpy(), err_msg=key)
     assert not np.array_equal(saved["fc.weight"].numpy(), ckpt["model"]["fc.weight"].numpy())
