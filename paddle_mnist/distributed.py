@@ -241,32 +241,27 @@ def unwrap(model: paddle.nn.Layer) -> paddle.nn.Layer:
     return model._layers if isinstance(model, paddle.DataParallel) else model
 
 
-def all_reduce_sum(values: np.ndarray, env: DistEnv) -> np.ndarray:
-    """Sum a small float64 vector over all workers (exact for counts below 2**53)."""
+def _all_reduce(values: np.ndarray, env: DistEnv, op) -> np.ndarray:
     values = np.asarray(values, dtype=np.float64)
     if env.world_size == 1:
         return values
     t = paddle.to_tensor(values, dtype="float64")
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=op)
     return t.numpy()
 
 
-def all_reduce_max(value: float, env: DistEnv) -> float:
-    if env.world_size == 1:
-        return value
-    t = paddle.to_tensor([value], dtype="float64")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.numpy()[0])
+def all_reduce_sum(values: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Sum a small float64 vector over all workers (exact for counts below 2**53)."""
+    return _all_reduce(values, env, dist.ReduceOp.SUM)
 
 
 def all_reduce_max_values(values: np.ndarray, env: DistEnv) -> np.ndarray:
     """Element-wise maximum of a small float64 vector over all workers."""
-    values = np.asarray(values, dtype=np.float64)
-    if env.world_size == 1:
-        return values
-    t = paddle.to_tensor(values, dtype="float64")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.numpy()
+    return _all_reduce(values, env, dist.ReduceOp.MAX)
+
+
+def all_reduce_max(value: float, env: DistEnv) -> float:
+    return float(all_reduce_max_values([value], env)[0])
 
 
 def job_store():
