@@ -170,8 +170,13 @@ def load(path: Path) -> dict:
 
 def digest(model: paddle.nn.Layer) -> str:
     """SHA-256 of every parameter and buffer, in name order: equal digests mean bit-identical weights."""
+    return digest_state(model.state_dict())
+
+
+def digest_state(state: dict) -> str:
+    """digest() of a state dict, as model.state_dict() gives it or load() reads it from a weights file."""
     h = hashlib.sha256()
-    for name, value in sorted(model.state_dict().items()):
+    for name, value in sorted(state.items()):
         h.update(name.encode())
         h.update(value.numpy().tobytes())
     return h.hexdigest()

@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from . import augment, checkpoint, cpu, data, distributed, engine, preempt, timing
-from .config import Config, ConfigError, effective_lr, parse_args, resolve_for_world
+from . import augment, checkpoint, cpu, data, distributed, engine, preempt, summary, timing
+from .config import Config, ConfigError, effective_lr, parse_args, profile_window, resolve_for_world
 from .distributed import DistEnv, LaunchError
 from .ema import WeightAverage
 from .lock import RunLock
 from .log import get_logger, memory_mb
 from .models import build_model, count_parameters
-from .outputs import RunFiles, WriteFailed, output_dir_problem
+from .outputs import BEST_WEIGHTS, RunFiles, WriteFailed, output_dir_problem
 from .preempt import Preempted, StopSignals
+from .profiling import ProfileWindow
 from .watchdog import Watchdog
 
 
@@ -134,7 +135,7 @@ def _choose_checkpoint(cfg: Config, env: DistEnv, log: logging.Logger) -> Path |
     return checkpoint.checkpoint_path(cfg.output_dir, int(step)) if step >= 0 else None
 
 
-def _restore(path, model, opt, sched, scaler, ema, cfg: Config, untrained: dict) -> tuple[int, int, int, float]:
+def _restore(path, model, opt, sched, scaler, ema, cfg: Config, untrained: dict) -> tuple[int, int, int, float, dict]:
     state = checkpoint.load(path)
     saved = state.get("config", {})
     for key in ("model", "dataset", "batch_size"):
@@ -156,7 +157,34 @@ def _restore(path, model, opt, sched, scaler, ema, cfg: Config, untrained: dict)
     paddle.set_rng_state(state["rng"]["paddle"])
     np.random.set_state(state["rng"]["numpy"])
     elapsed = float(state.get("elapsed_s", 0.0))  # older checkpoints lack it
-    return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"]), elapsed
+    best = state.get("best")  # older checkpoints lack it: the best is then counted from here
+    return int(state["epoch"]), int(state["batch_in_epoch"]), int(state["step"]), elapsed, best
+
+
+def _check_best(best: dict | None, step: int, scored, files: RunFiles, log: logging.Logger) -> dict | None:
+    """On resume (rank 0): the best-so-far the checkpoint records, if model_best.pdparams still holds it.
+
+    The checkpoint is written before model_best.pdparams, so a stop between the two leaves the checkpoint's best
+    newer than the file; that best is then the checkpoint's own epoch, whose weights were just restored and are
+    written again. Any other mismatch (the file deleted or replaced) restarts the count, with a warning.
+    """
+    if not best or not files.enabled:
+        return best
+    path = Path(files.out) / BEST_WEIGHTS
+    try:
+        if checkpoint.digest_state(checkpoint.load(path)) == best["digest"]:
+            return best
+    except (OSError, checkpoint.CheckpointError):
+        pass
+    net = distributed.unwrap(scored)
+    if best["step"] == step and checkpoint.digest(net) == best["digest"]:
+        files.save_best(net)
+        return best
+    log.warning(
+        f"warning: {path} does not hold the best epoch the checkpoint records (epoch {best['epoch']}, validation "
+        f"accuracy {best['val_acc']:.4f}); the best model is chosen again from the epochs still to come"
+    )
+    return None
 
 
 def _weights_finite(model) -> bool:
@@ -173,6 +201,7 @@ def _check_weights(model, epoch: int, step: int) -> None:
 
 
 def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr: float) -> dict:
+    clipping = {"clipped_share": stats.clipped_share, "grad_norm": stats.grad_norm} if cfg.clip_grad_norm else {}
     return {
         "epoch": epoch + 1,
         "step": step,
@@ -190,6 +219,7 @@ def _epoch_row(cfg: Config, env: DistEnv, epoch: int, step: int, stats, val, lr:
         "lr": lr,
         "rss_mb": memory_mb()[0],
         "time_s": timing.since_command_start(),  # seconds since the command (the launcher, if any) started
+        **clipping,
     }
 
 
@@ -202,6 +232,11 @@ def _log_epoch(log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochS
         f"{row['epoch_time_s']:.1f}s, {row['images_per_sec']:.0f} img/s global, "
         f"input wait {100 * row['input_wait_share']:.1f}%, memory {row['rss_mb']:.0f} MiB"
     )
+    if cfg.clip_grad_norm:
+        log.info(
+            f"epoch {row['epoch']} gradient clipping at norm {cfg.clip_grad_norm:g}: clipped {stats.clipped} of "
+            f"{stats.steps} steps ({100 * stats.clipped_share:.0f}%), mean norm before clipping {stats.grad_norm:.3f}"
+        )
 
 
 def _stopped(signum: int, step: int, where: str, saved: Path | None) -> Preempted:
@@ -241,7 +276,12 @@ def run(
     paddle.seed(cfg.seed)  # the same seed on every rank: the same initial weights everywhere
     np.random.seed(cfg.seed)
     model = build_model(cfg.model, len(ds.classes), ds.image_shape)
-    log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
+    if env.is_main:  # once per run: the headline, then paddle.summary's table of layers and output shapes
+        described = summary.describe(cfg.model, len(ds.classes), ds.image_shape)
+        for line in [described.headline(cfg.model), *described.table.splitlines()]:
+            log.info(line)
+    else:
+        log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
     if cfg.sync_bn:
         model = distributed.convert_sync_bn(model, env)
     sampler = engine.make_sampler(len(train), cfg, env)
@@ -255,13 +295,18 @@ def run(
 
     start_epoch = skip = step = 0
     trained_before = 0.0  # seconds of training in earlier sessions of this run
+    best = None  # the epoch of highest validation accuracy so far: epoch, step, val_acc, val_loss, digest
     untrained: dict[str, list] = {}  # every rank's batch norm statistics, from a stop's checkpoint
     resumed = _choose_checkpoint(cfg, env, log)
     if resumed:
-        start_epoch, skip, step, trained_before = _restore(resumed, model, opt, sched, scaler, ema, cfg, untrained)
+        start_epoch, skip, step, trained_before, best = _restore(
+            resumed, model, opt, sched, scaler, ema, cfg, untrained
+        )
         log.info(f"resumed from {resumed}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
     files.start(start_epoch if resumed else None)
+    scored = ema.net if ema else model  # what is evaluated, saved as model.pdparams and exported
+    best = _check_best(best, step, scored, files, log)
     model = distributed.wrap(model, env)
     distributed.set_untrained(model, untrained.get("model", []), env)
     if ema:
@@ -286,7 +331,8 @@ def run(
 
     def state_now(epoch: int, batch_in_epoch: int, step: int) -> dict:
         elapsed = time.time() - started
-        return _checkpoint_state(model, opt, sched, scaler, ema, cfg, epoch, batch_in_epoch, step, elapsed)
+        state = _checkpoint_state(model, opt, sched, scaler, ema, cfg, epoch, batch_in_epoch, step, elapsed)
+        return {**state, "best": best}
 
     def average_statistics() -> None:
         """Every rank takes part, so every rank then holds the statistics rank 0 saves and evaluates with."""
@@ -294,9 +340,9 @@ def run(
         if ema:
             distributed.average_running_statistics(ema.net, env)
 
-    scored = ema.net if ema else model  # what is evaluated, saved as model.pdparams and exported
-
     val = None
+    profile = ProfileWindow(profile_window(cfg.profile_steps), cfg.output_dir, env, log)
+    profile.begin(step)
     dog = Watchdog(env, cfg.collective_timeout, log)
     with dog:
         for epoch in range(start_epoch, cfg.epochs):
@@ -321,6 +367,7 @@ def run(
 
             def after_step(batch: int, at_step: int, loss_sum: paddle.Tensor, epoch: int = epoch) -> None:
                 dog.progress(at_step)
+                profile.after_step(at_step)
                 if ema:
                     ema.update(at_step)
                 every = cfg.save_every_steps
@@ -350,9 +397,17 @@ def run(
             _log_epoch(log, cfg, row, stats)
             _check_weights(model, epoch, step)
             files.append_metrics(row)
+            improved = best is None or val.acc > best["val_acc"]
+            if improved:
+                net = distributed.unwrap(scored)
+                best = {"epoch": epoch + 1, "step": step, "val_acc": val.acc, "val_loss": val.loss}
+                best["digest"] = checkpoint.digest(net) if files.enabled else ""
             if files.enabled:  # only rank 0 writes: the others need not gather the state
                 whole = done == steps_per_epoch
+                # the checkpoint first, then the best weights: see _check_best for a stop between the two
                 files.save_checkpoint(state_now(epoch + whole, 0 if whole else done, step))
+                if improved:
+                    files.save_best(net)
             if signum := meet(step):  # a signal during evaluation or the checkpoint write stops here
                 raise _stopped(
                     signum, step, f"end of epoch {epoch + 1}", checkpoint.checkpoint_path(cfg.output_dir, step)
@@ -361,6 +416,7 @@ def run(
                 log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {epoch + 1}")
                 break
 
+    profile.finish()  # training ended inside the window: write what was recorded
     net = distributed.unwrap(scored)
     files.save_weights(net)
     if val is not None and ds.val_is_test:
@@ -377,6 +433,8 @@ def run(
         "global_batch_size": cfg.batch_size,
         "wall_time_s": time.time() - started,
         "peak_rss_mb": peak_mb,
+        "best": {k: v for k, v in best.items() if k != "digest"} if best else None,
+        "exported": cfg.export if best else "last",
     }
     files.write_json("results.json", result)
     meet(step)  # training is over: a signal from here on lets the run finish; a failed write still stops it
@@ -387,7 +445,7 @@ def run(
         f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
     )
     files.finish()
-    failed = _export(files, net, ds, cfg)  # last: if paddle.jit.save fails, the weights and results are written
+    failed = _export(files, net, ds, cfg, best)  # last: if paddle.jit.save fails, weights and results are written
     if distributed.all_reduce_max_values([failed is not None], env)[0]:
         raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
     distributed.barrier(env)
@@ -398,10 +456,18 @@ class ExportFailed(RuntimeError):
     """paddle.jit.save failed after training; the weights and results were written before it."""
 
 
-def _export(files: RunFiles, net: paddle.nn.Layer, ds: data.Dataset, cfg: Config) -> ExportFailed | None:
-    """None, or the error to raise on every rank once they all know (rank 0 exports alone)."""
+def _export(files: RunFiles, net, ds: data.Dataset, cfg: Config, best: dict | None) -> ExportFailed | None:
+    """None, or the error to raise on every rank once they all know (rank 0 exports alone).
+
+    --export best exports model_best.pdparams; a run that never evaluated has no best and exports the last weights.
+    """
+    weights = "last"
     try:
-        files.export_inference(net, ds)
+        if cfg.export == "best" and best and files.enabled:
+            net = build_model(cfg.model, len(ds.classes), ds.image_shape)
+            net.set_state_dict(checkpoint.load(Path(files.out) / BEST_WEIGHTS))
+            weights = f"best: epoch {best['epoch']}, validation accuracy {best['val_acc']:.4f}"
+        files.export_inference(net, ds, weights)
     except Exception as e:
         out = cfg.output_dir
         failed = ExportFailed(

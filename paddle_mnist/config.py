@@ -16,6 +16,7 @@ MODELS = ("mnist_cnn", "mnist_cnn_bn", "minigooglenet", "cifar_cnn")  # the name
 LR_SCHEDULES = ("poly", "constant")
 LR_SCALING = ("none", "linear")
 AMP = ("off", "fp16", "bf16")
+EXPORTS = ("last", "best")  # which weights --export writes for inference
 PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
 
 
@@ -45,6 +46,7 @@ class Config:
     momentum: float = 0.9
     label_smoothing: float = 0.0
     weight_decay: float = 5e-4
+    clip_grad_norm: float = 0.0  # largest global gradient norm, after the all-reduce (0: no clipping)
     ema: float = 0.0  # decay of the weights' moving average, evaluated and saved when on (0: off)
     tta: bool = False  # score each evaluation image and its mirror image, averaging the two outputs
     target_acc: float = 0.0  # end the run at the first evaluation at least this accurate (0: train every epoch)
@@ -52,6 +54,7 @@ class Config:
     train_limit: int = 0
     eval_limit: int = 0
     output_dir: str = "output"
+    export: str = "last"  # the weights exported for inference: the last epoch's, or the best validation epoch's
     resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (resume if one exists)
     overwrite: bool = False
     save_every_steps: int = 0
@@ -60,6 +63,7 @@ class Config:
     collective_timeout: float = 300.0
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
     timing_every: int = 25  # time the phases of every Nth step (0: off)
+    profile_steps: str = ""  # "A:B": record optimizer steps A to B with paddle.profiler ("": off)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -165,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay")
     p.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=d.clip_grad_norm,
+        help="scale the gradients down whenever their global norm over all parameters exceeds this (after the "
+        "all-reduce, so every worker clips alike; the epoch line says how often it did); 0: no clipping",
+    )
+    p.add_argument(
         "--label-smoothing",
         type=float,
         default=d.label_smoothing,
@@ -195,6 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_count(p, "--eval-limit", "use only the first N test images (0: all)")
     p.add_argument("--output-dir", default=d.output_dir, help="where rank 0 writes metrics, checkpoints and weights")
     p.add_argument(
+        "--export",
+        default=d.export,
+        choices=EXPORTS,
+        help="weights exported to OUTPUT_DIR/inference for predict: last (model.pdparams) or best "
+        "(model_best.pdparams, the epoch of highest validation accuracy)",
+    )
+    p.add_argument(
         "--resume",
         nargs="?",
         const="yes",
@@ -223,7 +241,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--timing-every",
         "time forward+backward, all-reduce and optimizer on every Nth step for the per-epoch breakdown (0: off)",
     )
+    p.add_argument(
+        "--profile-steps",
+        default=d.profile_steps,
+        metavar="A:B",
+        help="record optimizer steps A to B (counted from 1 over the whole run) with paddle.profiler on every worker; "
+        "the trace and the operator table go to OUTPUT_DIR/profile/, the five costliest operators to the log",
+    )
     return p
+
+
+def profile_window(text: str) -> tuple[int, int] | None:
+    """--profile-steps "A:B" as (A, B), both counted from 1 and included; None when off."""
+    if not text:
+        return None
+    try:
+        first, last = (int(part) for part in text.split(":"))
+    except ValueError:
+        first = last = 0
+    if not 1 <= first <= last:
+        raise ConfigError(
+            f"--profile-steps takes two step numbers A:B with 1 <= A <= B, e.g. --profile-steps 20:40; got {text!r}"
+        )
+    return first, last
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -259,6 +299,9 @@ def parse_args(argv: list[str] | None = None) -> Config:
         )
     if cfg.accum_steps == 0 or cfg.reference_batch == 0:
         raise ConfigError("--accum-steps and --reference-batch must be at least 1")
+    if cfg.clip_grad_norm < 0:
+        raise ConfigError(f"--clip-grad-norm is a norm: above 0, or 0 for no clipping; got {cfg.clip_grad_norm}")
+    profile_window(cfg.profile_steps)
     if cfg.keep_checkpoints == 0:
         raise ConfigError("--keep-checkpoints must be at least 1: resuming needs the last checkpoint")
     return cfg

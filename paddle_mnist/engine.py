@@ -39,6 +39,12 @@ class EpochStats:
     own_seconds: float  # this worker's wall time for the epoch's steps
     phase_shares: dict  # this worker's share of step time per phase (timing.PHASES; None where not sampled)
     samples: int  # steps whose phases were timed
+    clipped: int = 0  # steps whose gradients --clip-grad-norm scaled down (the same on every worker)
+    grad_norm: float = 0.0  # mean global gradient norm before clipping, when --clip-grad-norm is on
+
+    @property
+    def clipped_share(self) -> float:
+        return self.clipped / self.steps if self.steps else 0.0
 
     @property
     def images_per_sec(self) -> float:
@@ -99,8 +105,10 @@ def make_schedule(cfg: Config, total_steps: int, warmup_steps: int) -> paddle.op
 def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup_steps: int = 0):
     sched = make_schedule(cfg, total_steps, warmup_steps)
     decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
+    # Paddle clips before it adds the weight decay, as torch.nn.utils.clip_grad_norm_ does before the step
+    clip = paddle.nn.ClipGradByGlobalNorm(cfg.clip_grad_norm) if cfg.clip_grad_norm else None
     opt = paddle.optimizer.Momentum(
-        learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay
+        learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay, grad_clip=clip
     )
     return opt, sched
 
@@ -129,6 +137,8 @@ def train_one_epoch(
     bar = ProgressBar(env, total, f"epoch {epoch + 1}")
     loss_sum = paddle.zeros([], dtype="float32")
     correct = paddle.zeros([], dtype="int64")
+    norm_sum = paddle.zeros([], dtype="float32")  # summed on the device: no wait for the value at every step
+    clipped = paddle.zeros([], dtype="int64")
     seen = steps = 0
     timer = timing.StepTimer(cfg.timing_every, device_sync(env))
     start = time.perf_counter()
@@ -142,8 +152,11 @@ def train_one_epoch(
         t1 = time.perf_counter()
         timer.add("input_wait", t1 - t0)
         sampled = timer if timer.wants(steps) else None
-        loss, batch_loss_sum, batch_correct = train_step(model, opt, scaler, images, labels, cfg, sampled)
+        loss, batch_loss_sum, batch_correct, norm = train_step(model, opt, scaler, images, labels, cfg, sampled)
         sched.step()
+        if norm is not None:
+            norm_sum += norm
+            clipped += (norm > cfg.clip_grad_norm).astype("int64")
         t2 = time.perf_counter()
         loss_sum += batch_loss_sum
         correct += batch_correct
@@ -176,6 +189,8 @@ def train_one_epoch(
         own_seconds=own,
         phase_shares=timing.shares(timer.seconds, timer.samples, steps, own),
         samples=timer.samples,
+        clipped=int(clipped),
+        grad_norm=float(norm_sum) / max(steps, 1),
     )
 
 
@@ -191,8 +206,17 @@ def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
     return paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.amp == "fp16" else None
 
 
+def global_grad_norm(params: list) -> paddle.Tensor:
+    """The norm of all gradients together, as paddle.nn.ClipGradByGlobalNorm computes it (in float32)."""
+    squares = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params if p.grad is not None]
+    return paddle.sqrt(paddle.add_n(squares))
+
+
 def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: Config, timer=None):
-    """One optimizer step over --accum-steps micro-batches; (last micro-batch loss, summed loss, correct).
+    """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
+
+    norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
+    ClipGradByGlobalNorm clips the averaged gradients, which are the same on every worker, so all clip alike.
 
     Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
     mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
@@ -219,6 +243,11 @@ def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: 
         timer.mark("forward_backward")
         all_reduce_gradients(model)
         timer.mark("all_reduce")
+    norm = None
+    if cfg.clip_grad_norm:
+        if scaler:
+            scaler.unscale_(opt)  # the norm of the true gradients; scaler.step then does not unscale again
+        norm = global_grad_norm(model.parameters())
     if scaler:
         scaler.step(opt)
         scaler.update()
@@ -228,8 +257,8 @@ def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: 
     if timer:
         timer.mark("optimizer")
     if k == 1:
-        return loss, loss_sums[0], corrects[0]
-    return loss, paddle.add_n(loss_sums), paddle.add_n(corrects)
+        return loss, loss_sums[0], corrects[0], norm
+    return loss, paddle.add_n(loss_sums), paddle.add_n(corrects), norm
 
 
 def check_finite(loss_sum: float, step: int, lr: float, env: DistEnv) -> None:

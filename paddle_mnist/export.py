@@ -34,12 +34,13 @@ def _read_meta(prefix: Path) -> dict | None:
         return None
 
 
-def export_inference(net: paddle.nn.Layer, ds: Dataset, prefix: Path) -> None:
+def export_inference(net: paddle.nn.Layer, ds: Dataset, prefix: Path, weights: str = "") -> None:
     """Save net for inference on a batch of ds-shaped float32 images, normalised as in training.
 
     paddle.jit.save picks the file names (2.6: .pdmodel/.pdiparams[.info], 3.x under PIR: .json/.pdiparams), so
     they are written into a temporary folder, moved next to prefix, and listed in prefix_meta.json. The meta file
-    is written last, atomically: when it is there, the files it lists are complete.
+    is written last, atomically: when it is there, the files it lists are complete. weights says which weights
+    these are (the last epoch's, or the best one's), for the meta file.
     """
     if isinstance(net, paddle.DataParallel):  # export the network itself, never the wrapper
         net = net._layers
@@ -69,6 +70,8 @@ def export_inference(net: paddle.nn.Layer, ds: Dataset, prefix: Path) -> None:
             "files": written,
             "paddle": paddle.__version__,
         }
+        if weights:
+            meta["weights"] = weights
         tmp = meta_file.with_name(f".{meta_file.name}.tmp{os.getpid()}")
         tmp.write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(tmp, meta_file)

@@ -17,7 +17,8 @@ from . import checkpoint, data, export, plots
 from .config import Config
 from .distributed import DistEnv
 
-RESULT_FILES = ("metrics.jsonl", "model.pdparams", "inference_meta.json", checkpoint.CKPT_DIR)
+BEST_WEIGHTS = "model_best.pdparams"  # the weights of the epoch with the highest validation accuracy
+RESULT_FILES = ("metrics.jsonl", "model.pdparams", BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
 
 
 class WriteFailed(RuntimeError):
@@ -109,9 +110,11 @@ class RunFiles:
         metrics = self.out / "metrics.jsonl"
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
-            for old in [*checkpoint.list_checkpoints(self.out), *self.out.glob("inference*")]:
+            best = self.out / BEST_WEIGHTS
+            earlier = [best, checkpoint.digest_path(best), *checkpoint.list_checkpoints(self.out)]
+            for old in [*earlier, *self.out.glob("inference*")]:
                 if not old.is_dir():  # a user's folder is left alone
-                    old.unlink()  # an earlier run's export must not pass for this run's
+                    old.unlink(missing_ok=True)  # an earlier run's export must not pass for this run's
         elif metrics.is_file():
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
@@ -169,10 +172,15 @@ class RunFiles:
             with self._writing(self.out / "model.pdparams"):
                 checkpoint.save_atomic(model.state_dict(), self.out / "model.pdparams")
 
-    def export_inference(self, net: paddle.nn.Layer, ds: data.Dataset) -> None:
+    def save_best(self, model: paddle.nn.Layer) -> None:
+        if self.enabled and not self.failure:
+            with self._writing(self.out / BEST_WEIGHTS):
+                checkpoint.save_atomic(model.state_dict(), self.out / BEST_WEIGHTS)
+
+    def export_inference(self, net: paddle.nn.Layer, ds: data.Dataset, weights: str) -> None:
         """The unwrapped network for python -m paddle_mnist.predict --model OUTPUT_DIR/inference."""
         if self.enabled:
-            export.export_inference(net, ds, self.out / "inference")
+            export.export_inference(net, ds, self.out / "inference", weights)
 
     def write_json(self, name: str, obj: dict) -> None:
         if self.enabled and not self.failure:
