@@ -189,7 +189,9 @@ def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
     proc = run_launch(args, tmp_path, tmp_path / "log")
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
     logs = [worker_log(tmp_path / "log", r) for r in (0, 1)]
-    assert f"model {model}: {EXPECTED[(model, (3, 32, 32))]:,} parameters" in logs[0]
+    count = f"{EXPECTED[(model, (3, 32, 32))]:,}"
+    assert f"model {model}: {count} trained parameters" in logs[0]  # rank 0's summary
+    assert f"model {model}: {count} parameters" in logs[1]
     assert "epoch 1 step 3/3" in logs[1]
     result = json.loads((tmp_path / "o" / "results.json").read_text())
     assert result["steps"] == 3 and result["test_count"] == 8
