@@ -22,6 +22,7 @@ MEMORY = re.compile(r"memory (\d+) MiB")
 PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.M)  # not Paddle's "C++ Traceback ..."
 # Paddle's last words when C++ ends the process: a signal, or an uncaught C++ exception
 FATAL = re.compile(r"^(FatalError: |terminate called |  what\(\): )|Assertion `.*' failed")
+CONTAINER = re.compile(r"Container rank (\d+) status (\w+) cmd .* code (-?\d+)")  # paddle.distributed.launch
 ABORT = re.compile(r"ABORT!!! Out of all \d+ trainers, the trainer process with rank=\[([\d, ]*)\] was aborted")
 
 
@@ -104,6 +105,7 @@ CONNECTION = Failure(
     "the connection between the workers failed (gloo, the CPU collectives, or the job's key-value store)",
     _any(
         r"gloo::\w*Exception",
+        r"gloo/transport/\S+\] (TIMEOUT|Read error|Write error|Connect)",
         r"Connection reset by peer",
         r"Connection refused",
         r"Connection closed by peer",
@@ -207,6 +209,13 @@ def _rank_of(r: RankReport) -> int:
     return r.rank if r.rank is not None else int(r.log.name.rsplit(".", 1)[1])
 
 
+def _short(line: str) -> str:
+    """The launcher's line for a failed worker holds its whole command: keep the rank, status and exit code."""
+    if m := CONTAINER.search(line):
+        return f"Container rank {m.group(1)} status {m.group(2)} ... code {m.group(3)}"
+    return line.strip()
+
+
 def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> tuple[Failure, list[str]] | None:
     """The known failure behind the first rank's end, and its evidence (lines, each with where it came from)."""
     if first.failure is not None:
@@ -220,7 +229,12 @@ def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> 
             if quiet.search(line):
                 return WATCHDOG, [f"{r.log.name}: {line}"]
     if first.status == "stopped":
-        said = [f"launcher: {line.strip()}" for line in launcher if KILLED.pattern.search(line)]
+        n = _rank_of(first)
+        said = [
+            f"launcher: {_short(line)}"
+            for line in launcher
+            if KILLED.pattern.search(line) and not ((m := CONTAINER.search(line)) and int(m.group(1)) != n)
+        ]
         return KILLED, [f"{first.log.name} ends with: {first.last_line}", *said[-2:]]
     return None
 
