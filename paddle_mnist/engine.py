@@ -25,7 +25,7 @@ from .distributed import (
     gradient_sync,
     unwrap,
 )
-from .log import ProgressBar
+from .log import ProgressBar, memory_mb
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,8 @@ def train_one_epoch(
             elapsed = time.perf_counter() - start
             log.info(
                 f"epoch {epoch + 1} step {steps}/{total} loss {float(loss):.4f} lr {opt.get_lr():.5f} "
-                f"{seen * env.world_size / elapsed:.0f} img/s (global)"
-            )
+                f"{seen * env.world_size / elapsed:.0f} img/s (global), memory {memory_mb()[0]:.0f} MiB"
+            )  # the memory figure is the last word of a worker the out-of-memory killer ends
         if bar.enabled:
             bar.update(steps, f"loss {float(loss):.4f}")
         timer.add("logging", time.perf_counter() - t2)

@@ -1,6 +1,9 @@
-"""Summarise a launcher's log directory: each rank's progress and status, and the first failure's traceback.
+"""Summarise a launcher's log directory: each rank's progress and status, the first failure, its likely cause and fix.
 
-python -m paddle_mnist.logs log
+python -m paddle_mnist.logs log [launcher.out]
+
+A pure reader, like plots.py: it reads the workerlog.N files (and, if given, the launcher's own output, where
+Paddle prints exit codes and ABORT!!! lines) and imports nothing from training.
 """
 
 from __future__ import annotations
@@ -14,6 +17,124 @@ PROGRESS = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) done")
 TAG = re.compile(r"\[rank (\d+)/\d+\]")
 WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
+MEMORY = re.compile(r"memory (\d+) MiB")
+# the legacy launcher (paddle.distributed.fleet.launch) on its stdout: rank=[1] or rank=[0, 1]
+PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.M)  # not Paddle's "C++ Traceback ..."
+# Paddle's last words when C++ ends the process: a signal, or an uncaught C++ exception
+FATAL = re.compile(r"^(FatalError: |terminate called |  what\(\): )|Assertion `.*' failed")
+CONTAINER = re.compile(r"Container rank (\d+) status (\w+) cmd .* code (-?\d+)")  # paddle.distributed.launch
+ABORT = re.compile(r"ABORT!!! Out of all \d+ trainers, the trainer process with rank=\[([\d, ]*)\] was aborted")
+
+
+def _any(*patterns: str) -> re.Pattern[str]:
+    return re.compile("|".join(f"(?:{p})" for p in patterns))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure the reader knows: the lines that show it, what it means in plain words, what to do."""
+
+    name: str  # a few words, for the table
+    what: str
+    pattern: re.Pattern[str]  # searched line by line in a worker's log
+    fix: str
+    echo: bool = False  # usually the echo of another rank's failure (a peer vanished): look at the others first
+    detail: re.Pattern[str] | None = None  # more lines worth showing once the pattern matched
+
+
+# In order: the first that matches a log names its failure. The texts are Paddle's own (3.3.1 and 2.6 where they
+# differ) and the trainer's; tests/test_logs.py produces each for real where a CPU machine can.
+DIVERGED = Failure(
+    "diverged",
+    "the loss diverged: it became NaN or infinite, so training stopped before saving bad weights",
+    _any(r"the (training loss|weights) became NaN or infinite"),
+    "lower --lr (or warm up with --warmup-epochs), then rerun with --resume auto: it continues from the last "
+    "checkpoint, which was saved before the loss diverged",
+)
+WATCHDOG = Failure(
+    "peer went quiet",
+    "a worker stopped making progress, so the watchdog ended the job instead of letting it hang",
+    _any(r"no progress for \d+ s \(--collective-timeout\)"),
+    "look at the rank the verdict names: stopped (SIGSTOP, a debugger), hung on a disk or a lock, or cut off from "
+    "the network; if it was only slow (a long evaluation, a busy machine), raise --collective-timeout; then rerun "
+    "with --resume auto",
+    echo=True,
+)
+PORT = Failure(
+    "port in use",
+    "a port the job needs was already taken, by another job or a leftover worker of an earlier run",
+    # 2.6: "Bind network on IP_ANY:PORT failed"; 3.3.1's libuv store aborts inside TCPServer::create instead
+    _any(r"Address already in use", r"EADDRINUSE", r"Bind network on \S+:\d+ failed", r"TCPServer::create\("),
+    "find who holds it (ss -ltnp | grep PORT) and end it, or choose another port: --master IP:PORT for several "
+    "nodes, --start_port or FLAGS_FIXED_PORT when fixing the workers' ports",
+    detail=re.compile(r"create libuv server at port: \d+|Address already in use"),
+)
+SHARED_MEMORY = Failure(
+    "bus error (shm)",
+    "a bus error: most often the shared memory (/dev/shm) is too small or full",
+    # DataLoader's worker: "ERROR: Unexpected BUS error encountered in DataLoader worker. This might be caused by
+    # insufficient shared memory (shm) ..."; Paddle's signal handler names SIGBUS "Access to an undefined portion
+    # of a memory object"
+    _any(
+        r"Unexpected BUS error",
+        r"insufficient shared (memory|storage)",
+        r"\bBus error\b",
+        r"\*\*\* SIGBUS",
+        r"`Access to an undefined portion of a memory object`",
+    ),
+    "check it with df -h /dev/shm; in Docker start the container with --shm-size=8g (or --ipc=host), on Kubernetes "
+    "mount an emptyDir with medium: Memory at /dev/shm; with paddle.io.DataLoader use fewer num_workers or "
+    "use_shared_memory=False",
+)
+OUT_OF_MEMORY = Failure(
+    "out of memory",
+    "an allocation failed: the process ran out of memory",
+    _any(r"\bMemoryError\b", r"ResourceExhaustedError", r"Out of memory error on", r"std::bad_alloc"),
+    "lower --batch-size or --eval-batch-size, run fewer workers per machine, or give the job more memory",
+)
+NCCL = Failure(
+    "NCCL error",
+    "NCCL, the library that carries the GPUs' collectives, failed",
+    _any(r"NCCL error", r"\bnccl\w*Error\b", r"unhandled (system|cuda) error"),
+    "rerun with NCCL_DEBUG=INFO to see the call that failed; across nodes set NCCL_SOCKET_IFNAME to the interface "
+    "the nodes share and open the ports between them; 'unhandled cuda error' usually means mismatched driver, CUDA "
+    "and NCCL versions or a GPU used by another process (nvidia-smi)",
+)
+CONNECTION = Failure(
+    "connection lost",
+    "the connection between the workers failed (gloo, the CPU collectives, or the job's key-value store)",
+    _any(
+        r"gloo::\w*Exception",
+        r"gloo/transport/\S+\] (TIMEOUT|Read error|Write error|Connect)",
+        r"Connection reset by peer",
+        r"Connection refused",
+        r"Connection closed by peer",
+        r"TCP receive error",
+        r"Timed out waiting",
+    ),
+    "it is usually the echo of another worker's end: read the log of the rank that stopped first; across nodes "
+    "check that every node reaches --master and the workers' ports (firewall) and that all run the same command",
+    echo=True,
+)
+SIGNALLED = Failure(
+    "signal",
+    "stopped by SIGTERM or SIGINT: a user, the scheduler (preemption, a time limit) or the launcher ended the job",
+    # the trainer's stop line; Paddle's own handler ("FatalError: `Termination signal` is detected by the operating
+    # system") when the signal came before the trainer took SIGTERM over, during start-up
+    _any(r"\] stopped (at once )?by (a second )?SIG(TERM|INT)", r"`(Termination signal|Interrupt)` is detected"),
+    "nothing is broken: continue with --resume auto (the stop line gives the whole command); a stop during start-up "
+    "had nothing to save, so just run the command again",
+)
+KNOWN = (DIVERGED, WATCHDOG, PORT, SHARED_MEMORY, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
+KILLED = Failure(
+    "killed",
+    "killed from outside without a word: most likely the kernel's out-of-memory killer (SIGKILL)",
+    # the launcher's output: "Container rank 1 status failed ... code -9", "Exit code -9"; a shell's "Killed", 137
+    _any(r"\bcode -9\b", r"[Ee]xit code (-9|137)\b", r"\bKilled\b", r"killed by signal: Killed"),
+    "confirm with dmesg -T | grep -iE 'out of memory|killed process' (or the container's OOMKilled status); then "
+    "lower --batch-size or --eval-batch-size, run fewer workers per machine, or give the job more memory; continue "
+    "with --resume auto",
+)
 
 
 @dataclass(frozen=True)
@@ -25,10 +146,23 @@ class RankReport:
     where: str  # the last progress the worker reported
     message: str  # the error line or traceback, if any
     mtime: float
+    failure: Failure | None = None  # the first known failure its lines show
+    evidence: tuple[str, ...] = ()  # those lines
+    memory_mb: int | None = None  # the last memory figure it logged
+    last_line: str = ""
+
+
+def known_failure(lines: list[str]) -> tuple[Failure | None, tuple[str, ...]]:
+    for kind in KNOWN:
+        found = [line.strip() for line in lines if kind.pattern.search(line)]
+        if found:
+            more = [line.strip() for line in lines if kind.detail and kind.detail.search(line)]
+            return kind, tuple(dict.fromkeys(more + found[:3]))
+    return None, ()
 
 
 def read_rank(path: Path) -> RankReport:
-    text = path.read_text(errors="replace")
+    text = path.read_text(errors="replace").replace("\0", "")
     lines = text.splitlines()
     ranks = [int(m.group(1)) for m in map(TAG.search, lines) if m]
     where = "before the first step"
@@ -42,41 +176,112 @@ def read_rank(path: Path) -> RankReport:
     signalled = [line for line in lines if "] stopped by SIG" in line or "] stopped at once by a second SIG" in line]
     if signalled:
         status, message = "signalled", signalled[-1].split("] ", 1)[1]
-    elif "Traceback (most recent call last):" in text:
-        status, message = "crashed", text[text.rindex("Traceback (most recent call last):") :].strip()
+    elif PY_TRACEBACK.search(text):
+        status, message = "crashed", text[list(PY_TRACEBACK.finditer(text))[-1].start() :].strip()
     elif errors:
         status, message = "error", errors[-1].split("error: ", 1)[1]
     elif any("] finished: " in line for line in lines):
         status = "finished"
-    return RankReport(path, ranks[-1] if ranks else None, status, where, message, path.stat().st_mtime)
+    failure, evidence = known_failure(lines) if status != "finished" else (None, ())
+    fatal = [line.strip() for line in lines if FATAL.search(line)]
+    if fatal and status == "stopped":
+        status, message = "crashed", "\n".join(fatal)  # Paddle's C++ aborts and signals: no Python traceback
+    memory = [int(m.group(1)) for m in map(MEMORY.search, lines) if m]
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    rank, memory_mb = ranks[-1] if ranks else None, memory[-1] if memory else None
+    return RankReport(path, rank, status, where, message, path.stat().st_mtime, failure, evidence, memory_mb, last)
 
 
-def summarise(log_dir: Path) -> str:
+def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankReport, list[str]]:
+    """The rank whose failure came first, and the launcher's lines that point at it.
+
+    An ABORT!!! line names the ranks that failed; among them (or all unfinished ranks) a cause of its own beats
+    an echo (a lost connection, the watchdog's verdict), and then the log that fell silent first wins."""
+    unfinished = [r for r in reports if r.status != "finished"]
+    pointers = [line.strip() for line in launcher if ABORT.search(line)]
+    named = {int(k) for line in pointers for k in ABORT.search(line).group(1).replace(" ", "").split(",") if k}
+    candidates = [r for r in unfinished if _rank_of(r) in named] or unfinished
+    own = [r for r in candidates if not (r.failure and r.failure.echo)] or candidates
+    return min(own, key=lambda r: r.mtime), pointers
+
+
+def _rank_of(r: RankReport) -> int:
+    return r.rank if r.rank is not None else int(r.log.name.rsplit(".", 1)[1])
+
+
+def _short(line: str) -> str:
+    """The launcher's line for a failed worker holds its whole command: keep the rank, status and exit code."""
+    if m := CONTAINER.search(line):
+        return f"Container rank {m.group(1)} status {m.group(2)} ... code {m.group(3)}"
+    return line.strip()
+
+
+def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> tuple[Failure, list[str]] | None:
+    """The known failure behind the first rank's end, and its evidence (lines, each with where it came from)."""
+    if first.failure is not None:
+        return first.failure, [f"{first.log.name}: {line}" for line in first.evidence]
+    if first.status not in ("stopped", "crashed"):
+        return None
+    # silent: another rank's watchdog may have seen it go quiet; otherwise something killed it from outside
+    quiet = re.compile(rf"rank {_rank_of(first)} \(last seen at step \d+\)")
+    for r in reports:
+        for line in r.evidence if r.failure is WATCHDOG else ():
+            if quiet.search(line):
+                return WATCHDOG, [f"{r.log.name}: {line}"]
+    if first.status == "stopped":
+        n = _rank_of(first)
+        said = [
+            f"launcher: {_short(line)}"
+            for line in launcher
+            if KILLED.pattern.search(line) and not ((m := CONTAINER.search(line)) and int(m.group(1)) != n)
+        ]
+        return KILLED, [f"{first.log.name} ends with: {first.last_line}", *said[-2:]]
+    return None
+
+
+def summarise(log_dir: Path, launcher_output: list[Path] | None = None) -> str:
     paths = sorted((p for p in Path(log_dir).iterdir() if WORKERLOG.match(p.name)), key=lambda p: int(p.suffix[1:]))
     if not paths:
         return f"{log_dir}: no workerlog.N files; pass the launcher's --log_dir"
+    launcher = [line for p in launcher_output or [] for line in p.read_text(errors="replace").splitlines()]
     reports = [read_rank(p) for p in paths]
     out = []
     for r in reports:
         who = f"rank {r.rank}" if r.rank is not None else "rank ?"
-        out.append(f"{who:8} {r.status:9} {r.where:32} {r.log.name}")
-    unfinished = [r for r in reports if r.status != "finished"]
-    if unfinished:
-        first = min(unfinished, key=lambda r: r.mtime)  # the log that fell silent first
-        out += ["", f"first to stop: rank {first.rank} ({first.log}), at {first.where}:"]
-        out.append(
-            first.message
-            or "it ended without an error message: killed from outside (SIGKILL, out of memory) or still running"
-        )
+        named = f"  {r.failure.name}" if r.failure else ""
+        out.append(f"{who:8} {r.status:9} {r.where:32} {r.log.name}{named}")
+    if all(r.status == "finished" for r in reports):
+        return "\n".join(out)
+    first, pointers = first_failure(reports, launcher)
+    out.append("")
+    out += [f"the launcher: {line[line.index('ABORT!!!') :]}" for line in pointers[-1:]]
+    at = first.where if first.where.startswith("before") else f"at {first.where}"
+    out.append(f"first to stop: rank {_rank_of(first)} ({first.log}), {at}:")
+    out.append(
+        first.message
+        or "it ended without an error message: killed from outside (SIGKILL, out of memory) or still running"
+    )
+    found = cause(first, reports, launcher)
+    if found is not None:
+        kind, evidence = found
+        memory = ""
+        if kind in (KILLED, OUT_OF_MEMORY) and first.memory_mb is not None:
+            memory = f"; it last reported {first.memory_mb} MiB of memory"
+        out += ["", f"cause: {kind.what}{memory}", "evidence:", *(f"  {line}" for line in evidence)]
+        out.append(f"fix: {kind.fix}")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1 or not Path(args[0]).is_dir():
-        print("usage: python -m paddle_mnist.logs LOG_DIR (the launcher's --log_dir)", file=sys.stderr)
+    if not args or not Path(args[0]).is_dir() or not all(Path(a).is_file() for a in args[1:]):
+        print(
+            "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...] (the launcher's --log_dir, and files "
+            "holding what the launcher itself printed, for its exit codes and ABORT!!! lines)",
+            file=sys.stderr,
+        )
         return 2
-    print(summarise(Path(args[0])))
+    print(summarise(Path(args[0]), [Path(a) for a in args[1:]]))
     return 0
 
 

@@ -98,7 +98,9 @@ def test_sigterm_mid_epoch_and_during_evaluation_then_resume_equals_uninterrupte
     assert 8 <= step < 64 and first.group(3) == f"epoch 1, batch {step} of 64"
     assert Path(first.group(4)) == checkpoint.checkpoint_path(out, step) and Path(first.group(4)).is_file()
     assert "paddle.distributed.launch" in first.group(5) and str(out) in first.group(5)
-    assert "rank 0   signalled" in summarise(tmp_path / "l1")
+    summary = summarise(tmp_path / "l1")
+    assert "rank 0   signalled" in summary and "cause: stopped by SIGTERM or SIGINT" in summary, summary
+    assert "fix: nothing is broken: continue with --resume auto" in summary
 
     # resumed, and rank 1 alone is stopped while the workers evaluate epoch 1 (1000 test images, 2 at a time)
     job = launch(

@@ -126,6 +126,8 @@ def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
     assert not (out / "model.pdparams").exists()
     summary = summarise(tmp_path / "log")
     assert "rank 0   error" in summary and "the training loss became NaN" in summary, summary
+    assert "workerlog.0  diverged" in summary and "cause: the loss diverged" in summary, summary
+    assert "fix: lower --lr" in summary
     for path in (out / "checkpoints").glob("*.pdckpt"):
         state = paddle.load(str(path))
         assert all(np.isfinite(v.numpy()).all() for v in state["model"].values()), path.name
@@ -163,6 +165,10 @@ def test_stopped_worker_ends_the_job_within_the_timeout(tmp_path):
     assert re.search(
         r"no progress for 10 s \(--collective-timeout\) at step \d+: rank 1 \(last seen at step \d+\) stopped", text
     ), text[-2000:]
+    summary = summarise(tmp_path / "l")  # rank 1 said nothing: the reader takes rank 0's verdict about it
+    assert "first to stop: rank 1" in summary and "workerlog.0  peer went quiet" in summary, summary
+    assert "cause: a worker stopped making progress, so the watchdog ended the job" in summary
+    assert "rank 1 (last seen at step" in summary.split("evidence:")[1] and "raise --collective-timeout" in summary
 
 
 def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_path):

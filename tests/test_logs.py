@@ -1,0 +1,223 @@
+"""python -m paddle_mnist.logs names Paddle's failures: each case's log text is produced for real where this machine
+can (the out-of-memory killer, a port clash, a bus error, the legacy launcher's ABORT!!!, Paddle's own SIGTERM
+handler); the GPU-only ones (NCCL) are Paddle's texts quoted from its issues. The watchdog's verdict, a diverged
+loss and a SIGTERM to the launcher are checked where test_recovery.py and test_preempt.py produce them."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import TRAIN_PY, launch_env, make_dataset
+
+from paddle_mnist.logs import main, summarise
+
+ARGS = ["--dataset", "mnist", "--batch-size", "64", "--log-every", "4", "--lr", "0.02"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=2048, n_test=1000)
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    """The pid of the worker of this rank, among the trainer processes writing to out."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            env = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(out) in cmd and str(TRAIN_PY) in cmd and f"PADDLE_TRAINER_ID={rank}" in env:
+            if not {"paddle.distributed.launch", "paddle.distributed.fleet.launch"} & set(cmd):
+                return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} for {out}")
+
+
+def start(launcher: list[str], args: list[str], tmp_path: Path) -> subprocess.Popen:
+    """The launcher with its own output in tmp_path/launcher.out, as `... > launcher.out 2>&1` would keep it."""
+    cmd = [sys.executable, "-m", *launcher, "--log_dir", str(tmp_path / "log"), str(TRAIN_PY), *args]
+    with open(tmp_path / "launcher.out", "w") as out:
+        return subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(job: subprocess.Popen, log: Path, text: str) -> None:
+    deadline = time.time() + 120
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        assert time.time() < deadline and job.poll() is None, f"never saw {text!r} in {log}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_mb: int):
+    """A child of this process's memory cgroup with a limit, where cgroup v1 is writable (root); else None."""
+    try:
+        line = next(x for x in Path("/proc/self/cgroup").read_text().splitlines() if x.split(":")[1] == "memory")
+        group = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[2].strip("/") / f"paddle_mnist_test_{os.getpid()}"
+        group.mkdir()
+    except (StopIteration, IndexError, OSError):
+        yield None
+        return
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit_mb * 2**20))
+        yield group
+    finally:
+        for _ in range(50):  # empty once its process is gone
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)
+
+
+def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
+    """Rank 1 is moved into a 32 MiB memory cgroup while it trains; evaluating 1000 images at once then needs more,
+    and the kernel's OOM killer ends it with SIGKILL. Without a writable cgroup (not root, cgroup v2) the test sends
+    the SIGKILL itself: the worker's log and the launcher say the same either way, a log that stops mid-line."""
+    out = tmp_path / "o"
+    args = [*ARGS, "--data-dir", str(data_dir), "--epochs", "1", "--eval-batch-size", "1000", "--output-dir", str(out)]
+    job = start(["paddle.distributed.launch", "--nproc_per_node", "2"], args, tmp_path)
+    with memory_cgroup(32) as group:
+        try:
+            wait_for(job, tmp_path / "log" / "workerlog.1", "epoch 1 step 8/32")
+            pid = rank_pid(out, 1)
+            if group is not None:
+                (group / "cgroup.procs").write_text(str(pid))
+            else:
+                os.kill(pid, signal.SIGKILL)
+            assert job.wait(timeout=120) != 0
+        finally:
+            if job.poll() is None:
+                job.kill()
+        if group is not None:
+            assert "oom_kill 1" in (group / "memory.oom_control").read_text()  # the kernel's killer, not us
+    summary = summarise(tmp_path / "log", [tmp_path / "launcher.out"])
+    assert "rank 1   stopped" in summary and "first to stop: rank 1" in summary, summary
+    assert "cause: killed from outside without a word: most likely the kernel's out-of-memory killer" in summary
+    assert "workerlog.1 ends with: " in summary and "memory" in summary.split("workerlog.1 ends with: ")[1]
+    assert "MiB of memory" in summary and "fix: confirm with dmesg" in summary, summary
+
+
+def test_port_already_in_use(tmp_path, data_dir):
+    """--start_port fixes the workers' ports; the first is rank 0's key-value store, and this test holds it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        launcher = ["paddle.distributed.launch", "--ips", "127.0.0.1", "--start_port", str(port), "--nproc_per_node"]
+        args = [*ARGS, "--data-dir", str(data_dir), "--output-dir", str(tmp_path / "o")]
+        job = start([*launcher, "2"], args, tmp_path)
+        try:
+            assert job.wait(timeout=120) != 0
+        finally:
+            if job.poll() is None:
+                job.kill()
+    summary = summarise(tmp_path / "log")
+    assert "first to stop: rank 0" in summary and "workerlog.0  port in use" in summary, summary
+    # Paddle 3.3.1: "create libuv server at port: N" then an abort; 2.6: "Bind network on IP_ANY:N failed"
+    assert "cause: a port the job needs was already taken" in summary and f":{port}" in summary.replace(": ", ":")
+    assert "fix: find who holds it (ss -ltnp | grep PORT)" in summary
+
+
+def test_legacy_launchers_abort_is_followed_to_the_bus_error_of_the_rank_it_names(tmp_path, data_dir):
+    """SIGBUS to rank 1 (what a full /dev/shm does): Paddle's handler names it, rank 0 loses its connection, and the
+    legacy launcher (paddle.distributed.fleet.launch) prints ABORT!!! naming both ranks; the reader picks rank 1."""
+    out = tmp_path / "o"
+    launcher = ["paddle.distributed.fleet.launch", "--backend", "gloo", "--nproc_per_node", "2"]
+    job = start(launcher, [*ARGS, "--data-dir", str(data_dir), "--epochs", "3", "--output-dir", str(out)], tmp_path)
+    try:
+        wait_for(job, tmp_path / "log" / "workerlog.1", "epoch 1 step 8/32")
+        os.kill(rank_pid(out, 1), signal.SIGBUS)
+        assert job.wait(timeout=120) != 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert "ABORT!!!" in (tmp_path / "launcher.out").read_text()
+    summary = summarise(tmp_path / "log", [tmp_path / "launcher.out"])
+    assert "the launcher: ABORT!!! Out of all 2 trainers, the trainer process with rank=[" in summary, summary
+    assert "workerlog.1  bus error (shm)" in summary and "first to stop: rank 1" in summary, summary
+    assert "cause: a bus error: most often the shared memory (/dev/shm) is too small or full" in summary
+    assert "SIGBUS" in summary and "fix: check it with df -h /dev/shm" in summary
+
+
+LOADER_BUS = """
+import os, signal
+import numpy as np
+import paddle
+
+class Images(paddle.io.Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        if i == 40:  # in the loader's worker process: what a full /dev/shm does to it
+            os.kill(os.getpid(), signal.SIGBUS)
+        return np.zeros(4, "float32")
+
+for batch in paddle.io.DataLoader(Images(), batch_size=8, num_workers=1):
+    pass
+"""
+
+PADDLE_SIGTERM = "import os, signal, paddle; os.kill(os.getpid(), signal.SIGTERM)"
+
+
+@pytest.mark.parametrize(
+    "script, kind, evidence",
+    [
+        (LOADER_BUS, "bus error (shm)", "Unexpected BUS error encountered in DataLoader worker"),
+        # a SIGTERM before the trainer takes the signal over (while paddle imports): Paddle's own handler speaks
+        (PADDLE_SIGTERM, "signal", "`Termination signal` is detected by the operating system"),
+    ],
+    ids=["dataloader-bus-error", "paddle-sigterm"],
+)
+def test_paddles_own_fatal_messages(tmp_path, script, kind, evidence):
+    (tmp_path / "log").mkdir()
+    with open(tmp_path / "log" / "workerlog.0", "w") as log:
+        proc = subprocess.run([sys.executable, "-c", script], env=launch_env(), stdout=log, stderr=subprocess.STDOUT)
+    assert proc.returncode != 0
+    summary = summarise(tmp_path / "log")
+    assert f"workerlog.0  {kind}" in summary and evidence in summary, summary
+
+
+# Paddle's texts for NCCL failures, from GPU machines (this one has none):
+NCCL_SYSTEM = """\
+  File "/usr/local/lib/python3.8/dist-packages/paddle/distributed/collective.py", line 328, in barrier
+    task = group.process_group.barrier()
+OSError: (External) NCCL error(2), unhandled system error.
+  [Hint: Please search for the error code(2) on website (https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/api/types.html#ncclresult-t) to get Nvidia's official solution and advice about NCCL Error.] (at /paddle/paddle/fluid/distributed/collective/ProcessGroupNCCL.cc:236)
+"""  # noqa: E501  (PaddlePaddle/PaddleDetection issue 7380, Paddle 2.4)
+NCCL_CUDA = """\
+  File "/usr/local/python3.7.0/lib/python3.7/site-packages/paddle/fluid/dygraph/parallel_helper.py", line 42, in _init_parallel_ctx
+    __parallel_ctx__clz__.init()
+OSError: (External) NCCL error(1), unhandled cuda error.
+  [Hint: 'ncclUnhandledCudaError'. A call to a CUDA function failed.] (at /paddle/paddle/fluid/platform/collective_helper.cc:100)
+"""  # noqa: E501  (PaddlePaddle/PaddleSpeech issue 3171)
+
+
+@pytest.mark.parametrize("quoted", [NCCL_SYSTEM, NCCL_CUDA], ids=["ncclSystemError", "ncclUnhandledCudaError"])
+def test_nccl_errors_quoted_from_paddles_issues(tmp_path, quoted):
+    log = tmp_path / "log"
+    log.mkdir()
+    start = "12:00:00 [rank {0}/2] rank {0} of world size 2 (local rank {0} of 2), backend nccl, device gpu:{0}\n"
+    (log / "workerlog.0").write_text(start.format(0) + "Traceback (most recent call last):\n" + quoted)
+    (log / "workerlog.1").write_text(start.format(1) + "12:00:01 [rank 1/2] finished: test accuracy 0.9900\n")
+    summary = summarise(log)
+    assert "rank 0   crashed" in summary and "workerlog.0  NCCL error" in summary, summary
+    assert "cause: NCCL, the library that carries the GPUs' collectives, failed" in summary
+    assert "OSError: (External) NCCL error(" in summary.split("evidence:")[1]
+    assert "fix: rerun with NCCL_DEBUG=INFO" in summary
+
+
+def test_command_line(tmp_path, capsys):
+    (tmp_path / "workerlog.0").write_text("12:00:00 [rank 0/1] finished: test accuracy 0.99\n")
+    assert main([str(tmp_path)]) == 0
+    assert "rank 0   finished" in capsys.readouterr().out
+    assert main([]) == 2 and main([str(tmp_path / "nowhere")]) == 2
+    assert main([str(tmp_path), str(tmp_path / "no-launcher.out")]) == 2
+    assert "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...]" in capsys.readouterr().err
