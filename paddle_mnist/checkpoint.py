@@ -168,6 +168,41 @@ def load(path: Path) -> dict:
     return _to_tensors(state)
 
 
+class CheckpointStore:
+    """A run's checkpoints: OUTPUT_DIR/checkpoints/step_NNNNNNNN.pdckpt, each written atomically with its digest,
+    the newest `keep` kept, and the newest intact one found for a resume (damaged ones set aside, never deleted)."""
+
+    def __init__(self, output_dir: Path | str, keep: int):
+        self.output_dir, self.keep = Path(output_dir), keep
+
+    def path(self, step: int) -> Path:
+        return checkpoint_path(self.output_dir, step)
+
+    def list(self) -> list[Path]:
+        return list_checkpoints(self.output_dir)
+
+    def save(self, contents: dict) -> Path:
+        """Write the checkpoint of contents["step"], then drop the oldest beyond `keep`. Raises WriteError."""
+        path = self.path(contents["step"])
+        save_atomic(contents, path)
+        prune(self.output_dir, self.keep)
+        return path
+
+    def newest_intact(self, warn) -> tuple[Path | None, list[str]]:
+        """(the newest checkpoint that passes load(), what was set aside on the way); warn(line) for each."""
+        tried = []
+        for path in reversed(self.list()):
+            try:
+                load(path)
+            except CheckpointError as e:
+                aside = set_aside(path)
+                warn(f"warning: {e}; set aside as {aside.name}, trying the next older checkpoint")
+                tried.append(f"{path.name} ({aside.name})")
+                continue
+            return path, tried
+        return None, tried
+
+
 def digest(model: paddle.nn.Layer) -> str:
     """SHA-256 of every parameter and buffer, in name order: equal digests mean bit-identical weights."""
     return digest_state(model.state_dict())

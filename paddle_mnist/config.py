@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import augment
+from .models import MODELS as MODEL_TABLE
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
 AUGMENTED_BY_DEFAULT = ("cifar10",)  # the tutorials augmented CIFAR-10; MNIST-type data trains well without
-MODELS = ("mnist_cnn", "mnist_cnn_bn", "minigooglenet", "cifar_cnn")  # the names of models.MODELS
+MODELS = tuple(MODEL_TABLE)  # the names --model accepts: the model registry's
 LR_SCHEDULES = ("poly", "constant")
 LR_SCALING = ("none", "linear")
 AMP = ("off", "fp16", "bf16")

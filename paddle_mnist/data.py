@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import paddle
 
 from . import augment, formats
 from .config import DATASETS
@@ -200,6 +202,62 @@ def batches(
             rng = augment.batch_rng(plan.seed, plan.rank, plan.epoch, k)
             images = augment.shift_and_flip(images, plan.policy, rng)
         yield normalise(images, ds.mean, ds.std), split.labels[idx]
+
+
+class IndexSpace:
+    """What DistributedBatchSampler needs of a dataset: its length. Batches are built from indices."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def make_sampler(n: int, per_worker: int, rank: int, world_size: int) -> paddle.io.DistributedBatchSampler:
+    """Each worker's share of every global batch of n images: per_worker indices, disjoint across workers."""
+    return paddle.io.DistributedBatchSampler(
+        IndexSpace(n), batch_size=per_worker, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True
+    )
+
+
+@dataclass(frozen=True)
+class Batches:
+    """One epoch's batches for one worker, from batch number `first` on, `count` of them, assembled ahead."""
+
+    first: int
+    count: int
+    items: Iterator[tuple[np.ndarray, np.ndarray]]
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return self.items
+
+    def close(self) -> None:
+        self.items.close()  # stops the assembling thread
+
+
+class TrainBatches:
+    """A worker's training batches over a run: its share of each global batch (DistributedBatchSampler, shuffled
+    anew each epoch from the run's seed), augmented as the run asks, normalised, assembled in a background thread.
+
+    Batch k of an epoch is the same whether the epoch is trained whole or resumed from a checkpoint at batch j < k:
+    its augmentation is drawn from (seed, rank, epoch, k) alone.
+    """
+
+    def __init__(self, split: Split, ds: Dataset, per_worker: int, rank: int, world_size: int, cfg):
+        self.split, self.ds, self.rank = split, ds, rank
+        self.sampler = make_sampler(len(split), per_worker, rank, world_size)
+        self.seed = cfg.seed
+        self.policy = augment.policy_for(ds.name, cfg.shift) if cfg.augment else None
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # batches per epoch
+
+    def epoch(self, epoch: int, first: int, count: int) -> Batches:
+        self.sampler.set_epoch(sampler_epoch(self.seed, epoch))
+        plan = AugmentPlan(self.policy, self.seed, self.rank, epoch) if self.policy else None
+        indices = itertools.islice(self.sampler, first, first + count)
+        return Batches(first, count, prefetch(batches(self.split, self.ds, indices, plan, first=first)))
 
 
 def prefetch(it: Iterator, depth: int = 2) -> Iterator:

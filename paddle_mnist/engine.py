@@ -1,21 +1,20 @@
-"""One training epoch and one distributed evaluation, each returning its figures."""
+"""Training a step and an epoch, and one distributed evaluation, each returning its figures."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from . import augment, data, timing
-from .config import Config, effective_lr
+from . import data, timing
+from .config import Config
 from .distributed import (
     DistEnv,
     all_reduce_gradients,
@@ -51,14 +50,6 @@ class EpochStats:
         return self.images / self.seconds if self.seconds > 0 else 0.0
 
 
-@dataclass(frozen=True)
-class EpochPlan:
-    epoch: int  # 0-based
-    skip: int  # batches of this epoch trained before a mid-epoch checkpoint; passed over unread
-    first_step: int  # optimizer steps done before this call
-    last_step: int  # stop when the step count reaches this
-
-
 class Diverged(RuntimeError):
     """The training loss stopped being a finite number."""
 
@@ -70,128 +61,80 @@ class EvalStats:
     count: int
 
 
-class IndexSpace:
-    """What DistributedBatchSampler needs of a dataset: its length. Batches are built from indices."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-
-def make_sampler(n: int, cfg: Config, env: DistEnv) -> paddle.io.DistributedBatchSampler:
-    return paddle.io.DistributedBatchSampler(
-        IndexSpace(n),
-        batch_size=cfg.batch_size // env.world_size,
-        num_replicas=env.world_size,
-        rank=env.rank,
-        shuffle=True,
-        drop_last=True,
-    )
-
-
-def make_schedule(cfg: Config, total_steps: int, warmup_steps: int) -> paddle.optimizer.lr.LRScheduler:
-    """Linear warmup from 0 (if any), then poly (power 1: linear to 0 at the last planned step) or constant."""
-    peak = effective_lr(cfg)
-    decay_steps = max(total_steps - warmup_steps, 1)
-    end = 0.0 if cfg.lr_schedule == "poly" else peak  # constant: a decay from peak to peak
-    sched = paddle.optimizer.lr.PolynomialDecay(peak, decay_steps=decay_steps, end_lr=end, power=1.0)
-    if warmup_steps:
-        sched = paddle.optimizer.lr.LinearWarmup(sched, warmup_steps=warmup_steps, start_lr=0.0, end_lr=peak)
-    return sched
-
-
-def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup_steps: int = 0):
-    sched = make_schedule(cfg, total_steps, warmup_steps)
-    decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
-    # Paddle clips before it adds the weight decay, as torch.nn.utils.clip_grad_norm_ does before the step
-    clip = paddle.nn.ClipGradByGlobalNorm(cfg.clip_grad_norm) if cfg.clip_grad_norm else None
-    opt = paddle.optimizer.Momentum(
-        learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay, grad_clip=clip
-    )
-    return opt, sched
-
-
-def train_one_epoch(
-    model: paddle.nn.Layer,
-    opt: paddle.optimizer.Optimizer,
-    sched: paddle.optimizer.lr.LRScheduler,
-    split: data.Split,
-    sampler: paddle.io.DistributedBatchSampler,
-    ds: data.Dataset,
-    cfg: Config,
-    env: DistEnv,
-    log: logging.Logger,
-    plan: EpochPlan,
-    on_step: Callable[[int, int, paddle.Tensor], None] | None = None,
-    scaler: paddle.amp.GradScaler | None = None,
-) -> EpochStats:
-    """Train until the sampler is exhausted or the last step is done; figures are summed over workers.
-
-    on_step(batch_in_epoch, step, loss_sum) runs after every optimizer step (used for mid-epoch checkpoints).
+class Epoch:
+    """One epoch of training for one worker, a step at a time: `for step in Epoch(...)` trains one optimizer step
+    per iteration and hands control back after each (for checkpoints, stop signals, the moving average); once the
+    batches are used up, `stats` holds the epoch's figures, summed over workers. The state's position advances as
+    it goes, so a checkpoint taken between two steps records exactly where training stands.
     """
-    model.train()
-    epoch, skip = plan.epoch, plan.skip
-    total = min(len(sampler) - skip, plan.last_step - plan.first_step)
-    bar = ProgressBar(env, total, f"epoch {epoch + 1}")
-    loss_sum = paddle.zeros([], dtype="float32")
-    correct = paddle.zeros([], dtype="int64")
-    norm_sum = paddle.zeros([], dtype="float32")  # summed on the device: no wait for the value at every step
-    clipped = paddle.zeros([], dtype="int64")
-    seen = steps = 0
-    timer = timing.StepTimer(cfg.timing_every, device_sync(env))
-    start = time.perf_counter()
-    policy = augment.policy_for(ds.name, cfg.shift)
-    plan_aug = data.AugmentPlan(policy, cfg.seed, env.rank, epoch) if cfg.augment else None
-    indices = itertools.islice(sampler, skip, None)
-    batches = data.prefetch(data.batches(split, ds, indices, plan_aug, first=skip))
-    for steps in range(1, total + 1):
-        t0 = time.perf_counter()
-        images, labels = next(batches)
-        t1 = time.perf_counter()
-        timer.add("input_wait", t1 - t0)
-        sampled = timer if timer.wants(steps) else None
-        loss, batch_loss_sum, batch_correct, norm = train_step(model, opt, scaler, images, labels, cfg, sampled)
-        sched.step()
-        if norm is not None:
-            norm_sum += norm
-            clipped += (norm > cfg.clip_grad_norm).astype("int64")
-        t2 = time.perf_counter()
-        loss_sum += batch_loss_sum
-        correct += batch_correct
-        seen += len(labels)
-        if on_step is not None:
-            on_step(skip + steps, plan.first_step + steps, loss_sum)
-        if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
-            check_finite(float(loss_sum), plan.first_step + steps, opt.get_lr(), env)
-            elapsed = time.perf_counter() - start
-            log.info(
-                f"epoch {epoch + 1} step {steps}/{total} loss {float(loss):.4f} lr {opt.get_lr():.5f} "
-                f"{seen * env.world_size / elapsed:.0f} img/s (global), memory {memory_mb()[0]:.0f} MiB"
-            )  # the memory figure is the last word of a worker the out-of-memory killer ends
-        if bar.enabled:
-            bar.update(steps, f"loss {float(loss):.4f}")
-        timer.add("logging", time.perf_counter() - t2)
-    batches.close()
-    own = time.perf_counter() - start
-    seconds = all_reduce_max(own, env)
-    totals = all_reduce_sum([float(loss_sum), float(correct), seen], env)
-    check_finite(totals[0], plan.first_step + steps, opt.get_lr(), env)
-    images = int(totals[2])
-    return EpochStats(
-        loss=totals[0] / max(images, 1),
-        acc=totals[1] / max(images, 1),
-        images=images,
-        steps=steps,
-        seconds=seconds,
-        input_wait=timer.seconds["input_wait"],
-        own_seconds=own,
-        phase_shares=timing.shares(timer.seconds, timer.samples, steps, own),
-        samples=timer.samples,
-        clipped=int(clipped),
-        grad_norm=float(norm_sum) / max(steps, 1),
-    )
+
+    def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger):
+        self.state, self.batches, self.cfg, self.env, self.log = state, batches, cfg, env, log
+        self.loss_sum = paddle.zeros([], dtype="float32")  # this worker's, on the device: read only when needed
+        self.stats: EpochStats | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        state, cfg, env = self.state, self.cfg, self.env
+        state.model.train()
+        total = self.batches.count
+        bar = ProgressBar(env, total, f"epoch {state.epoch + 1}")
+        correct = paddle.zeros([], dtype="int64")
+        norm_sum = paddle.zeros([], dtype="float32")  # summed on the device: no wait for the value at every step
+        clipped = paddle.zeros([], dtype="int64")
+        seen = steps = 0
+        timer = timing.StepTimer(cfg.timing_every, device_sync(env))
+        start = time.perf_counter()
+        batches = iter(self.batches)
+        try:
+            for steps in range(1, total + 1):
+                t0 = time.perf_counter()
+                images, labels = next(batches)
+                t1 = time.perf_counter()
+                timer.add("input_wait", t1 - t0)
+                sampled = timer if timer.wants(steps) else None
+                loss, batch_loss_sum, batch_correct, norm = train_step(state, images, labels, cfg, sampled)
+                state.sched.step()
+                state.step += 1
+                state.batch_in_epoch += 1
+                t2 = time.perf_counter()
+                self.loss_sum += batch_loss_sum
+                correct += batch_correct
+                seen += len(labels)
+                if norm is not None:
+                    norm_sum += norm
+                    clipped += (norm > cfg.clip_grad_norm).astype("int64")
+                if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
+                    check_finite(float(self.loss_sum), state, env)
+                    elapsed = time.perf_counter() - start
+                    self.log.info(
+                        f"epoch {state.epoch + 1} step {steps}/{total} loss {float(loss):.4f} "
+                        f"lr {state.opt.get_lr():.5f} {seen * env.world_size / elapsed:.0f} img/s (global), "
+                        f"memory {memory_mb()[0]:.0f} MiB"
+                    )  # the memory figure is the last word of a worker the out-of-memory killer ends
+                if bar.enabled:
+                    bar.update(steps, f"loss {float(loss):.4f}")
+                yield state.step  # the caller's checkpoints and meetings count as logging/checkpoints time
+                timer.add("logging", time.perf_counter() - t2)
+        finally:
+            self.batches.close()
+        own = time.perf_counter() - start
+        seconds = all_reduce_max(own, env)
+        totals = all_reduce_sum([float(self.loss_sum), float(correct), seen], env)
+        check_finite(totals[0], state, env)
+        images = int(totals[2])
+        self.stats = EpochStats(
+            loss=totals[0] / max(images, 1),
+            acc=totals[1] / max(images, 1),
+            images=images,
+            steps=steps,
+            seconds=seconds,
+            input_wait=timer.seconds["input_wait"],
+            own_seconds=own,
+            phase_shares=timing.shares(timer.seconds, timer.samples, steps, own),
+            samples=timer.samples,
+            clipped=int(clipped),
+            grad_norm=float(norm_sum) / max(steps, 1),
+        )
 
 
 def amp_context(cfg: Config):
@@ -212,7 +155,7 @@ def global_grad_norm(params: list) -> paddle.Tensor:
     return paddle.sqrt(paddle.add_n(squares))
 
 
-def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: Config, timer=None):
+def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer=None):
     """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
 
     norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
@@ -223,6 +166,7 @@ def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: 
     backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed:
     every backward pass then runs under no_sync and the gradients are averaged afterwards, on their own.
     """
+    model, opt, scaler = state.model, state.opt, state.scaler
     k = cfg.accum_steps
     loss_sums, corrects = [], []
     if timer:
@@ -261,14 +205,25 @@ def train_step(model, opt, scaler, images: np.ndarray, labels: np.ndarray, cfg: 
     return loss, paddle.add_n(loss_sums), paddle.add_n(corrects), norm
 
 
-def check_finite(loss_sum: float, step: int, lr: float, env: DistEnv) -> None:
-    """Stop every worker together once any worker's loss is NaN or infinite (an all-reduce, so none is left waiting)."""
+def weights_finite(model: paddle.nn.Layer) -> bool:
+    return all(bool(paddle.isfinite(p).all()) for p in model.parameters())
+
+
+def check_finite(loss_sum: float, state, env: DistEnv, weights: bool = False) -> None:
+    """Stop every worker together once any worker's loss is NaN or infinite (an all-reduce, so none is left
+    waiting); with weights=True, also once the weights are (identical on every rank, so all stop here together).
+    Checkpoints are never written from a diverged state, so the last one is good."""
     bad = all_reduce_sum([0.0 if math.isfinite(loss_sum) else 1.0], env)[0]
     if bad:
         raise Diverged(
-            f"the training loss became NaN or infinite by step {step} (learning rate {lr:.4g}); the likely cause is "
-            "a learning rate too high for this batch size: lower --lr, and restart or --resume from the last "
-            "checkpoint (it was saved before the loss diverged)"
+            f"the training loss became NaN or infinite by step {state.step} (learning rate {state.opt.get_lr():.4g}); "
+            "the likely cause is a learning rate too high for this batch size: lower --lr, and restart or --resume "
+            "from the last checkpoint (it was saved before the loss diverged)"
+        )
+    if weights and not weights_finite(state.model):
+        raise Diverged(
+            f"the weights became NaN or infinite in epoch {state.epoch + 1} (by step {state.step}); lower --lr, and "
+            "restart or --resume from the last checkpoint (it was saved before this)"
         )
 
 

@@ -64,8 +64,9 @@ PLOT_INTERVAL_S = 60.0  # shortest time between two drawings of curves.png durin
 
 
 class RunFiles:
-    def __init__(self, cfg: Config, env: DistEnv):
+    def __init__(self, cfg: Config, env: DistEnv, store: checkpoint.CheckpointStore):
         self.out = Path(cfg.output_dir)
+        self.store = store
         self.enabled = env.is_main
         self.cfg = cfg
         self._plotter: subprocess.Popen | None = None
@@ -90,7 +91,7 @@ class RunFiles:
                 "rank 0 could not write a file of the run (the file and the reason are in its log, workerlog.0); "
                 "stopping with it"
             )
-        kept = checkpoint.list_checkpoints(self.out)
+        kept = self.store.list()
         last = f"the last good checkpoint {kept[-1]} is intact" if kept else "no checkpoint had been written yet"
         return (
             f"{self.failure}; {last} and no partial file was left. Free space or fix the cause, then continue "
@@ -111,7 +112,7 @@ class RunFiles:
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
             best = self.out / BEST_WEIGHTS
-            earlier = [best, checkpoint.digest_path(best), *checkpoint.list_checkpoints(self.out)]
+            earlier = [best, checkpoint.digest_path(best), *self.store.list()]
             for old in [*earlier, *self.out.glob("inference*")]:
                 if not old.is_dir():  # a user's folder is left alone
                     old.unlink(missing_ok=True)  # an earlier run's export must not pass for this run's
@@ -162,10 +163,8 @@ class RunFiles:
     def save_checkpoint(self, state: dict) -> None:
         if not self.enabled or self.failure:
             return
-        path = checkpoint.checkpoint_path(self.out, state["step"])
-        with self._writing(path):
-            checkpoint.save_atomic(state, path)
-            checkpoint.prune(self.out, self.cfg.keep_checkpoints)
+        with self._writing(self.store.path(state["step"])):
+            self.store.save(state)
 
     def save_weights(self, model: paddle.nn.Layer) -> None:
         if self.enabled and not self.failure:

@@ -14,6 +14,7 @@ from helpers import explain, make_dataset, run_launch, run_single, worker_log
 from paddle_mnist import checkpoint, engine, export, summary
 from paddle_mnist.config import Config, ConfigError, parse_args
 from paddle_mnist.models import MnistCNN, build_model, count_parameters
+from paddle_mnist.state import TrainState, make_optimizer
 
 SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "0"]
 CLIP = 0.5  # below the gradient norms of the first epochs here, so every step clips
@@ -50,7 +51,7 @@ def test_clipping_scales_the_step_to_the_norm_and_reports_the_norm_before():
     cfg = dataclasses.replace(Config(), clip_grad_norm=CLIP, momentum=0.0, weight_decay=0.0, lr=0.1, batch_size=16)
     paddle.seed(3)
     model = MnistCNN()
-    opt, _ = engine.make_optimizer(cfg, model, total_steps=10)
+    opt, sched = make_optimizer(cfg, model, total_steps=10)
     rng = np.random.RandomState(0)
     images = rng.randn(16, 1, 28, 28).astype("float32")
     labels = rng.randint(0, 10, size=16).astype("int64")
@@ -62,7 +63,7 @@ def test_clipping_scales_the_step_to_the_norm_and_reports_the_norm_before():
     assert expected > CLIP
 
     before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
-    *_, norm = engine.train_step(model, opt, None, images, labels, cfg)
+    *_, norm = engine.train_step(TrainState(cfg, model, opt, sched, None, None), images, labels, cfg)
     assert float(norm) == pytest.approx(expected, rel=1e-5)
     moved = np.sqrt(sum(((v.numpy() - before[k]).astype(np.float64) ** 2).sum() for k, v in model.state_dict().items()))
     assert moved == pytest.approx(cfg.lr * CLIP, rel=1e-4)

@@ -9,8 +9,7 @@ import paddle
 import pytest
 from helpers import REPO, idx_bytes, make_dataset, write_idx
 
-from paddle_mnist import config, data, engine, formats
-from paddle_mnist.distributed import DistEnv
+from paddle_mnist import config, data, formats
 from paddle_mnist.models import MnistCNN, count_parameters
 
 
@@ -107,9 +106,8 @@ def test_eval_shards_cover_every_image_once(n, world):
 def test_sampler_gives_each_worker_its_part_of_every_global_batch():
     """Rank r's k-th batch is the r-th slice of the one-process k-th global batch."""
     n, global_batch = 1000, 96
-    cfg = config.Config(batch_size=global_batch)
-    one = engine.make_sampler(n, cfg, DistEnv(0, 1, 0, 1, "none", "cpu"))
-    two = [engine.make_sampler(n, cfg, DistEnv(r, 2, r, 2, "gloo", "cpu")) for r in range(2)]
+    one = data.make_sampler(n, global_batch, 0, 1)
+    two = [data.make_sampler(n, global_batch // 2, r, 2) for r in range(2)]
     for s in (one, *two):
         s.set_epoch(data.sampler_epoch(7, 3))
     full, halves = list(one), [list(s) for s in two]
@@ -119,10 +117,9 @@ def test_sampler_gives_each_worker_its_part_of_every_global_batch():
 
 
 def test_seed_changes_the_data_order():
-    cfg = config.Config(batch_size=10)
     orders = []
     for seed in (1, 2):
-        s = engine.make_sampler(100, cfg, DistEnv(0, 1, 0, 1, "none", "cpu"))
+        s = data.make_sampler(100, 10, 0, 1)
         s.set_epoch(data.sampler_epoch(seed, 0))
         orders.append(next(iter(s)))
     assert orders[0] != orders[1]

@@ -1,0 +1,219 @@
+"""What a run does around its training steps: where all ranks meet (stop signals, failed writes), checkpoints,
+the epoch's row and log lines, the best model, the watchdog and the profiler window."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import checkpoint, distributed, engine, preempt, timing
+from .config import Config, profile_window
+from .distributed import DistEnv
+from .log import memory_mb
+from .outputs import BEST_WEIGHTS, RunFiles, WriteFailed
+from .preempt import Preempted, StopSignals
+from .profiling import ProfileWindow
+from .state import TrainState
+from .watchdog import Watchdog
+
+
+def stopped(signum: int, step: int, where: str, saved: Path | None) -> Preempted:
+    kept = f"checkpoint {saved}" if saved else "nothing trained yet, so no checkpoint"
+    return Preempted(
+        signum,
+        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}); {kept}; "
+        f"continue with: {preempt.resume_command()}",
+    )
+
+
+def epoch_row(cfg: Config, env: DistEnv, state: TrainState, stats: engine.EpochStats, val) -> dict:
+    """One line of metrics.jsonl."""
+    clipping = {"clipped_share": stats.clipped_share, "grad_norm": stats.grad_norm} if cfg.clip_grad_norm else {}
+    return {
+        "epoch": state.epoch + 1,
+        "step": state.step,
+        "train_loss": stats.loss,
+        "train_acc": stats.acc,
+        "val_loss": val.loss,
+        "val_acc": val.acc,
+        "val_count": val.count,
+        "images_per_sec": stats.images_per_sec,
+        "epoch_time_s": stats.seconds,
+        "input_wait_share": stats.input_wait / stats.seconds if stats.seconds else 0.0,
+        "step_time_shares": stats.phase_shares,  # rank 0's; every rank logs its own
+        "world_size": env.world_size,
+        "global_batch_size": cfg.batch_size,
+        "lr": state.opt.get_lr(),
+        "rss_mb": memory_mb()[0],
+        "time_s": timing.since_command_start(),  # seconds since the command (the launcher, if any) started
+        **clipping,
+    }
+
+
+def log_epoch(log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochStats) -> None:
+    step_ms = 1000 * stats.own_seconds / max(stats.steps, 1)
+    log.info(f"epoch {row['epoch']} time per {timing.describe(stats.phase_shares, step_ms, stats.samples)}")
+    log.info(
+        f"epoch {row['epoch']}/{cfg.epochs} done: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+        f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f} ({row['val_count']} images) | "
+        f"{row['epoch_time_s']:.1f}s, {row['images_per_sec']:.0f} img/s global, "
+        f"input wait {100 * row['input_wait_share']:.1f}%, memory {row['rss_mb']:.0f} MiB"
+    )
+    if cfg.clip_grad_norm:
+        log.info(
+            f"epoch {row['epoch']} gradient clipping at norm {cfg.clip_grad_norm:g}: clipped {stats.clipped} of "
+            f"{stats.steps} steps ({100 * stats.clipped_share:.0f}%), mean norm before clipping {stats.grad_norm:.3f}"
+        )
+
+
+def check_best(state: TrainState, files: RunFiles, log: logging.Logger) -> None:
+    """On resume (rank 0): keep the best-so-far the checkpoint records if model_best.pdparams still holds it.
+
+    The checkpoint is written before model_best.pdparams, so a stop between the two leaves the checkpoint's best
+    newer than the file; that best is then the checkpoint's own epoch, whose weights were just restored and are
+    written again. Any other mismatch (the file deleted or replaced) restarts the count, with a warning.
+    """
+    best = state.best
+    if not best or not files.enabled:
+        return
+    path = Path(files.out) / BEST_WEIGHTS
+    try:
+        if checkpoint.digest_state(checkpoint.load(path)) == best["digest"]:
+            return
+    except (OSError, checkpoint.CheckpointError):
+        pass
+    net = distributed.unwrap(state.scored)
+    if best["step"] == state.step and checkpoint.digest(net) == best["digest"]:
+        files.save_best(net)
+        return
+    log.warning(
+        f"warning: {path} does not hold the best epoch the checkpoint records (epoch {best['epoch']}, validation "
+        f"accuracy {best['val_acc']:.4f}); the best model is chosen again from the epochs still to come"
+    )
+    state.best = None
+
+
+class Session:
+    """One session of a run, from the first meeting of the ranks to the last training step.
+
+    Ranks meet (one all-reduce of three numbers) at every epoch end and every few mid-epoch steps (Cadence: about
+    every quarter second): a stop signal that reached only some ranks, or a failed write on rank 0, then stops all
+    of them at the same step, after a checkpoint.
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv, log: logging.Logger, state: TrainState, files: RunFiles, **kw):
+        self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
+        self.stop: StopSignals = kw["stop"]
+        self.batches_per_epoch: int = kw["batches_per_epoch"]
+        self.resumed: Path | None = kw["resumed"]
+        planned = cfg.epochs * self.batches_per_epoch
+        self.last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
+        self.cadence = preempt.Cadence()
+        self.dog = Watchdog(env, cfg.collective_timeout, log)
+        self.profile = ProfileWindow(profile_window(cfg.profile_steps), cfg.output_dir, env, log)
+        self.started = time.time()
+
+    def __enter__(self) -> Session:
+        if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
+            raise stopped(signum, self.state.step, "before training", self.resumed)
+        self.started = time.time() - self.state.trained_before  # wall time covers every session of the run
+        self.profile.begin(self.state.step)
+        self.dog.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.dog.__exit__(*exc)
+        if exc[0] is None:
+            self.profile.finish()  # training ended inside the window: write what was recorded
+
+    def training(self) -> bool:
+        return self.state.epoch < self.cfg.epochs and self.state.step < self.last_step
+
+    def batch_count(self) -> int:
+        """Batches the next epoch trains: the rest of the epoch, or fewer if --max-steps comes first."""
+        return min(self.batches_per_epoch - self.state.batch_in_epoch, self.last_step - self.state.step)
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def meet(self, at_step: int) -> int:
+        """All stop if rank 0's last write failed; else the agreed stop signal (0: none)."""
+        shared = [self.stop.signum, self.files.failure is not None, self.cadence.seconds_per_step(at_step)]
+        signum, failed, per_step = distributed.all_reduce_max_values(shared, self.env)
+        if failed:
+            raise WriteFailed(self.files.failure_message())
+        self.cadence.plan(at_step, per_step)
+        return int(signum)
+
+    def average_statistics(self) -> None:
+        """Every rank takes part, so every rank then holds the statistics rank 0 saves and evaluates with."""
+        distributed.average_running_statistics(self.state.model, self.env)
+        if self.state.ema:
+            distributed.average_running_statistics(self.state.ema.net, self.env)
+
+    def after_step(self, loss_sum) -> None:
+        state, cfg = self.state, self.cfg
+        self.dog.progress(state.step)
+        self.profile.after_step(state.step)
+        if state.ema:
+            state.ema.update(state.step)
+        every = cfg.save_every_steps
+        inside = state.batch_in_epoch < self.batches_per_epoch
+        saved = every and state.step % every == 0 and inside
+        if saved:
+            self._save_mid_epoch(loss_sum, for_stop=False)
+        # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
+        meeting = inside and state.step < self.last_step and self.cadence.due(state.step)
+        if meeting and (signum := self.meet(state.step)):
+            if not saved:
+                self._save_mid_epoch(loss_sum, for_stop=True)
+                self.meet(state.step)  # a failed save stops every rank with the write error
+            where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
+            raise stopped(signum, state.step, where, self.files.store.path(state.step))
+
+    def _save_mid_epoch(self, loss_sum, for_stop: bool) -> None:
+        state, env = self.state, self.env
+        if for_stop:
+            # a save an uninterrupted run does not make: keep each rank's batch norm statistics as they are
+            # (averaging them would change the final ones in the last bits), for the resumed run
+            extra = {"untrained_by_rank": distributed.gather_untrained(state.model, env)}
+            if state.ema:
+                extra["ema_untrained_by_rank"] = distributed.gather_untrained(state.ema.net, env)
+        else:
+            # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
+            self.average_statistics()
+            extra = {}
+        # never let diverged weights push a good checkpoint out; the next loss check stops every rank
+        if self.files.enabled and np.isfinite(float(loss_sum)) and engine.weights_finite(state.model):
+            self.files.save_checkpoint({**state.contents(self.elapsed()), **extra})
+
+    def end_epoch(self, stats: engine.EpochStats, val) -> bool:
+        """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached."""
+        state, cfg = self.state, self.cfg
+        self.dog.progress(state.step)
+        row = epoch_row(cfg, self.env, state, stats, val)
+        log_epoch(self.log, cfg, row, stats)
+        engine.check_finite(stats.loss, state, self.env, weights=True)
+        self.files.append_metrics(row)
+        improved = state.best is None or val.acc > state.best["val_acc"]
+        if improved:
+            net = distributed.unwrap(state.scored)
+            digest = checkpoint.digest(net) if self.files.enabled else ""
+            state.best = {"epoch": row["epoch"], "step": state.step, "val_acc": val.acc, "val_loss": val.loss}
+            state.best["digest"] = digest
+        state.end_epoch(self.batches_per_epoch)
+        if self.files.enabled:  # only rank 0 writes: the others need not gather the state
+            # the checkpoint first, then the best weights: see check_best for a stop between the two
+            self.files.save_checkpoint(state.contents(self.elapsed()))
+            if improved:
+                self.files.save_best(net)
+        if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
+            where = f"end of epoch {row['epoch']}"
+            raise stopped(signum, state.step, where, self.files.store.path(state.step))
+        if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
+            self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
+            return True
+        return False

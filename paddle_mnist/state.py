@@ -1,0 +1,135 @@
+"""What training carries from step to step, built once, and what a checkpoint holds of it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import paddle
+
+from . import distributed
+from .config import Config, ConfigError, effective_lr
+from .distributed import DistEnv
+from .ema import WeightAverage
+from .models import build_model
+
+
+def make_schedule(cfg: Config, total_steps: int, warmup_steps: int) -> paddle.optimizer.lr.LRScheduler:
+    """Linear warmup from 0 (if any), then poly (power 1: linear to 0 at the last planned step) or constant."""
+    peak = effective_lr(cfg)
+    decay_steps = max(total_steps - warmup_steps, 1)
+    end = 0.0 if cfg.lr_schedule == "poly" else peak  # constant: a decay from peak to peak
+    sched = paddle.optimizer.lr.PolynomialDecay(peak, decay_steps=decay_steps, end_lr=end, power=1.0)
+    if warmup_steps:
+        sched = paddle.optimizer.lr.LinearWarmup(sched, warmup_steps=warmup_steps, start_lr=0.0, end_lr=peak)
+    return sched
+
+
+def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup_steps: int = 0):
+    sched = make_schedule(cfg, total_steps, warmup_steps)
+    decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
+    # Paddle clips before it adds the weight decay, as torch.nn.utils.clip_grad_norm_ does before the step
+    clip = paddle.nn.ClipGradByGlobalNorm(cfg.clip_grad_norm) if cfg.clip_grad_norm else None
+    opt = paddle.optimizer.Momentum(
+        learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay, grad_clip=clip
+    )
+    return opt, sched
+
+
+def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
+    """float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none."""
+    return paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.amp == "fp16" else None
+
+
+class TrainState:
+    """The network, its optimizer, learning-rate schedule, fp16 loss scaler and moving average, and where training
+    stands: `epoch` whole epochs done, `batch_in_epoch` batches of the next one done, `step` optimizer steps done.
+
+    Also what a resumed run carries over: the seconds trained in earlier sessions, the best epoch so far, and
+    every rank's batch norm statistics when the checkpoint was a stop's.
+    """
+
+    def __init__(self, cfg: Config, model, opt, sched, scaler, ema: WeightAverage | None):
+        self.cfg, self.model, self.opt, self.sched, self.scaler, self.ema = cfg, model, opt, sched, scaler, ema
+        self.epoch = self.batch_in_epoch = self.step = 0
+        self.trained_before = 0.0  # seconds of training in earlier sessions of this run
+        self.best: dict | None = (
+            None  # the epoch of highest validation accuracy: epoch, step, val_acc, val_loss, digest
+        )
+        self.untrained: dict[str, list] = {"model": [], "ema": []}  # every rank's statistics, from a stop's checkpoint
+
+    @classmethod
+    def create(cls, cfg: Config, num_classes: int, image_shape: tuple, env: DistEnv, steps_per_epoch: int):
+        """The same seed on every rank: the same initial weights everywhere. The schedule is planned over --epochs;
+        --max-steps only stops early, so a stopped run can be resumed exactly."""
+        paddle.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        model = build_model(cfg.model, num_classes, image_shape)
+        if cfg.sync_bn:
+            model = distributed.convert_sync_bn(model, env)
+        planned = cfg.epochs * steps_per_epoch
+        opt, sched = make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
+        ema = WeightAverage(model, build_model(cfg.model, num_classes, image_shape), cfg.ema) if cfg.ema else None
+        return cls(cfg, model, opt, sched, make_scaler(cfg), ema)
+
+    @property
+    def scored(self) -> paddle.nn.Layer:
+        """What is evaluated, saved as model.pdparams and exported: the moving average when there is one."""
+        return self.ema.net if self.ema else self.model
+
+    def start(self, env: DistEnv) -> None:
+        """Wrap the network in DataParallel (which broadcasts rank 0's weights), then give each rank back its own
+        batch norm statistics if a stop's checkpoint kept them."""
+        self.model = distributed.wrap(self.model, env)
+        distributed.set_untrained(self.model, self.untrained["model"], env)
+        if self.ema:
+            distributed.set_untrained(self.ema.net, self.untrained["ema"], env)
+
+    def end_epoch(self, batches_per_epoch: int) -> None:
+        if self.batch_in_epoch == batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+
+    def contents(self, elapsed_s: float) -> dict:
+        """The checkpoint: everything to continue bit for bit. elapsed_s is the training time up to here, summed
+        over the sessions of a resumed run. A stop's checkpoint adds every rank's statistics (untrained_by_rank)."""
+        return {
+            "model": distributed.unwrap(self.model).state_dict(),
+            "ema": self.ema.state_dict() if self.ema else None,
+            "optimizer": self.opt.state_dict(),
+            "lr_scheduler": self.sched.state_dict(),
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "step": self.step,
+            "rng": {"paddle": paddle.get_rng_state(), "numpy": np.random.get_state()},
+            "config": dataclasses.asdict(self.cfg),
+            "scaler": self.scaler.state_dict() if self.scaler else None,  # fp16 loss scale, so a resumed run keeps it
+            "elapsed_s": elapsed_s,
+            "best": self.best,
+        }
+
+    def restore(self, contents: dict, path: Path) -> None:
+        saved = contents.get("config", {})
+        for key in ("model", "dataset", "batch_size"):
+            if saved.get(key) != getattr(self.cfg, key):
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(
+                    f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(self.cfg, key)}; "
+                    f"pass {flag} {saved.get(key)} or another --output-dir"
+                )
+        self.model.set_state_dict(contents["model"])
+        self.untrained = {  # set in start(), after DataParallel has broadcast rank 0's
+            "model": contents.get("untrained_by_rank") or [],
+            "ema": contents.get("ema_untrained_by_rank") or [],
+        }
+        self.opt.set_state_dict(contents["optimizer"])
+        self.sched.set_state_dict(contents["lr_scheduler"])
+        if self.scaler and contents.get("scaler"):
+            self.scaler.load_state_dict(contents["scaler"])
+        if self.ema:  # a checkpoint from before --ema was turned on starts the average from its weights
+            self.ema.set_state_dict(contents.get("ema") or contents["model"])
+        paddle.set_rng_state(contents["rng"]["paddle"])
+        np.random.set_state(contents["rng"]["numpy"])
+        self.epoch, self.batch_in_epoch, self.step = (int(contents[k]) for k in ("epoch", "batch_in_epoch", "step"))
+        self.trained_before = float(contents.get("elapsed_s", 0.0))  # older checkpoints lack it
+        self.best = contents.get("best")  # older checkpoints lack it: the best is then counted from here
