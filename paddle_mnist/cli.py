@@ -261,7 +261,7 @@ def run(
         start_epoch, skip, step, trained_before = _restore(resumed, model, opt, sched, scaler, ema, cfg, untrained)
         log.info(f"resumed from {resumed}: epoch {start_epoch + 1}, batch {skip}, step {step}")
     files = RunFiles(cfg, env)
-    files.start(start_epoch if resumed else None)
+    files.start(start_epoch if resumed else None, step, log)
     model = distributed.wrap(model, env)
     distributed.set_untrained(model, untrained.get("model", []), env)
     if ema:

@@ -153,9 +153,17 @@ def train_one_epoch(
         if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
             check_finite(float(loss_sum), plan.first_step + steps, opt.get_lr(), env)
             elapsed = time.perf_counter() - start
+            now = {
+                "loss": float(loss),
+                "acc": float(batch_correct) / len(labels),
+                "lr": opt.get_lr(),
+                "images_per_sec": seen * env.world_size / elapsed,
+                "input_wait_share": timer.seconds["input_wait"] / elapsed,
+            }
             log.info(
-                f"epoch {epoch + 1} step {steps}/{total} loss {float(loss):.4f} lr {opt.get_lr():.5f} "
-                f"{seen * env.world_size / elapsed:.0f} img/s (global)"
+                f"epoch {epoch + 1} step {steps}/{total} loss {now['loss']:.4f} lr {now['lr']:.5f} "
+                f"{now['images_per_sec']:.0f} img/s (global)",
+                extra={"step": plan.first_step + steps, "scalars": now},  # figures for --visualdl's handler
             )
         if bar.enabled:
             bar.update(steps, f"loss {float(loss):.4f}")

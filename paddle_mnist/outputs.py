@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import paddle
 
-from . import checkpoint, data, export, plots
+from . import checkpoint, dashboard, data, export, plots
 from .config import Config
 from .distributed import DistEnv
 
@@ -70,6 +71,8 @@ class RunFiles:
         self._plotter: subprocess.Popen | None = None
         self._drawn_at = -float("inf")
         self._rows = 0
+        self.dashboard: dashboard.Dashboard | None = None  # --visualdl's writer, opened by start()
+        self._listening: tuple[logging.Logger, logging.Handler] | None = None  # the dashboard's log handler
         self.failure: str | None = None  # the first write that failed: its file and the system's reason
 
     @contextlib.contextmanager
@@ -96,12 +99,24 @@ class RunFiles:
             "with the same command and --resume auto"
         )
 
-    def start(self, resumed_epoch: int | None) -> None:
-        """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them."""
+    def start(self, resumed_epoch: int | None, resumed_step: int = 0, log: logging.Logger | None = None) -> None:
+        """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them.
+
+        With --visualdl, open the dashboard at the checkpoint's step and pass it the progress lines of `log`.
+        """
         if not self.enabled or self.failure:
             return
         with self._writing(self.out):
             self._start(resumed_epoch)
+        if self.cfg.visualdl and not self.failure:
+            with self._writing(self.out / dashboard.FOLDER):
+                try:
+                    self.dashboard = dashboard.Dashboard(self.out, None if resumed_epoch is None else resumed_step)
+                except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
+                    self.failure = f"{dashboard.MISSING} ({type(e).__name__}: {e})"
+            if self.dashboard and log:
+                self._listening = (log, dashboard.ProgressScalars(self.dashboard))
+                log.addHandler(self._listening[1])
 
     def _start(self, resumed_epoch: int | None) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -109,6 +124,7 @@ class RunFiles:
         metrics = self.out / "metrics.jsonl"
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
+            dashboard.remove_logs(self.out)
             for old in [*checkpoint.list_checkpoints(self.out), *self.out.glob("inference*")]:
                 if not old.is_dir():  # a user's folder is left alone
                     old.unlink()  # an earlier run's export must not pass for this run's
@@ -133,6 +149,8 @@ class RunFiles:
                     raise
         if self.failure:
             return
+        if self.dashboard:
+            self.dashboard.add_epoch(row)
         self._rows += 1
         idle = self._plotter is None or self._plotter.poll() is not None  # one drawing at a time
         if idle and time.monotonic() - self._drawn_at >= PLOT_INTERVAL_S:
@@ -149,7 +167,11 @@ class RunFiles:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
     def finish(self) -> None:
-        """Wait for a drawing under way, then draw the final curves."""
+        """Close the dashboard; wait for a drawing under way, then draw the final curves."""
+        if self._listening:
+            self._listening[0].removeHandler(self._listening[1])
+        if self.dashboard:
+            self.dashboard.close()
         if not self.enabled or not self._rows:
             return
         if self._plotter is not None:
@@ -160,6 +182,8 @@ class RunFiles:
         if not self.enabled or self.failure:
             return
         path = checkpoint.checkpoint_path(self.out, state["step"])
+        if self.dashboard:  # every scalar up to the checkpoint's step is on disk before the checkpoint is
+            self.dashboard.flush()
         with self._writing(path):
             checkpoint.save_atomic(state, path)
             checkpoint.prune(self.out, self.cfg.keep_checkpoints)
