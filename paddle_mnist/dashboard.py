@@ -57,12 +57,15 @@ def _frames(data: bytes):
         at += 8 + size
 
 
-def keep_to_step(path: Path, step: int) -> None:
-    """Rewrite a log without its scalars past `step`: they came after the checkpoint a resumed run restarts from,
-    and the resumed run writes those steps again (VisualDL's reader would show both, a doubled curve). Only the
-    first meta record is kept, as the resumed writer adds its own. Written to a temporary file and renamed."""
+def keep_to_step(path: Path, step: int, last_row_step: int) -> None:
+    """Rewrite a log without the scalars a resumed run writes again: the progress scalars past the checkpoint's
+    `step`, and the epoch scalars past `last_row_step`, the last metrics.jsonl row kept (a row for the part of an
+    epoch that a --max-steps or a signal cut short is dropped there too). Left in, VisualDL's reader would show
+    both points of a step, a doubled curve. Only the first meta record is kept, as the resumed writer adds its
+    own. Written to a temporary file and renamed."""
     from visualdl.proto import record_pb2
 
+    epoch_tags = set(EPOCH_TAGS.values())
     kept, meta = [], False
     for frame in _frames(path.read_bytes()):
         record = record_pb2.Record()
@@ -71,7 +74,7 @@ def keep_to_step(path: Path, step: int) -> None:
             if meta:
                 continue
             meta = True
-        elif any(v.id > step for v in record.values):
+        elif any(v.id > (last_row_step if v.tag in epoch_tags else step) for v in record.values):
             continue
         kept.append(struct.pack("<Q", len(frame)) + frame)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -91,17 +94,20 @@ def remove_logs(out: Path) -> None:
 
 class Dashboard:
     """One VisualDL log in OUTPUT_DIR/visualdl. On resume the newest log (the one VisualDL shows) is cut back to
-    the checkpoint's step and continued, so the dashboard keeps one run whose curves go on where they stopped."""
+    the checkpoint and continued, so the dashboard keeps one run whose curves go on where they stopped.
 
-    def __init__(self, out: Path, resumed_step: int | None):
+    resumed: None for a new run, else (the checkpoint's step, the step of the last metrics.jsonl row kept).
+    """
+
+    def __init__(self, out: Path, resumed: tuple[int, int] | None):
         from visualdl import LogWriter  # here, not at the top: the package is optional
 
         folder = out / FOLDER
         folder.mkdir(parents=True, exist_ok=True)
         name = ""  # a new file, named by VisualDL (vdlrecords.<seconds>.log)
         logs = sorted(folder.glob(LOG_GLOB))
-        if resumed_step is not None and logs:
-            keep_to_step(logs[-1], resumed_step)
+        if resumed is not None and logs:
+            keep_to_step(logs[-1], *resumed)
             name = logs[-1].name  # LogWriter appends to an existing file of this name
         with contextlib.redirect_stdout(io.StringIO()):  # it prints that it appends, in its own words
             self._writer = LogWriter(logdir=str(folder), file_name=name)

@@ -107,18 +107,20 @@ class RunFiles:
         if not self.enabled or self.failure:
             return
         with self._writing(self.out):
-            self._start(resumed_epoch)
+            last_row_step = self._start(resumed_epoch)
         if self.cfg.visualdl and not self.failure:
             with self._writing(self.out / dashboard.FOLDER):
                 try:
-                    self.dashboard = dashboard.Dashboard(self.out, None if resumed_epoch is None else resumed_step)
+                    resumed = None if resumed_epoch is None else (resumed_step, last_row_step)
+                    self.dashboard = dashboard.Dashboard(self.out, resumed)
                 except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
                     self.failure = f"{dashboard.MISSING} ({type(e).__name__}: {e})"
             if self.dashboard and log:
                 self._listening = (log, dashboard.ProgressScalars(self.dashboard))
                 log.addHandler(self._listening[1])
 
-    def _start(self, resumed_epoch: int | None) -> None:
+    def _start(self, resumed_epoch: int | None) -> int:
+        """The step of the last metrics row kept (0: none)."""
         self.out.mkdir(parents=True, exist_ok=True)
         _write_text_atomic(self.out / "config.json", self.cfg.to_json() + "\n")
         metrics = self.out / "metrics.jsonl"
@@ -132,6 +134,8 @@ class RunFiles:
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
             _write_text_atomic(metrics, "".join(r + "\n" for r in kept))
+            return json.loads(kept[-1])["step"] if kept else 0
+        return 0
 
     def append_metrics(self, row: dict) -> None:
         if not self.enabled or self.failure:
