@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 from helpers import REPO, explain, launch_env, make_dataset, run_launch, run_single, worker_log
+from PIL import Image
 from visualdl import LogReader, LogWriter  # not importorskip: CI installs it; missing, these tests fail
 
 from paddle_mnist import checkpoint, dashboard
@@ -135,7 +140,7 @@ def test_keep_to_step_drops_later_scalars_and_a_torn_last_record(tmp_path):
     for step in range(1, 7):
         writer.add_scalar(tag="step/loss", value=step / 10, step=step)
         if step % 2 == 0:
-            writer.add_scalar(tag="train/loss", value=step, step=step)
+            writer.add_scalar(tag="epoch/train_loss", value=step, step=step)
     path = Path(writer.file_name)
     writer.close()
     whole = path.read_bytes()
@@ -144,7 +149,7 @@ def test_keep_to_step_drops_later_scalars_and_a_torn_last_record(tmp_path):
     reader = LogReader(file_path=str(path))
     kept = [(v.id, v.value) for v in reader.get_data("scalar", "step/loss")]
     assert kept == [(s, as_stored(s / 10)) for s in range(1, 5)]
-    assert [(v.id, v.value) for v in reader.get_data("scalar", "train/loss")] == [(2, 2.0)]
+    assert [(v.id, v.value) for v in reader.get_data("scalar", "epoch/train_loss")] == [(2, 2.0)]
     assert len(reader.get_data("meta_data", "meta_data_tag")) == 1
 
 
@@ -152,3 +157,59 @@ def test_the_flag_is_off_by_default_and_its_module_does_not_import_visualdl():
     code = "import sys; from paddle_mnist import cli; cli.parse_args([]); print('visualdl' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", explain(proc)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return json.loads(reply.read())["data"]
+
+
+@pytest.mark.browser
+def test_the_dashboard_draws_the_curves_in_a_headless_browser(dataset, tmp_path):
+    """VisualDL's own server on 127.0.0.1 serves the run, and Debian's chromium draws its charts (about 30 s)."""
+    chromium = shutil.which("chromium")
+    assert chromium, "needs a headless browser: apt-get install chromium (Debian)"
+    out = tmp_path / "out"
+    args = [*SMALL, "--data-dir", str(dataset), "--epochs", "3", "--output-dir", str(out), "--visualdl"]
+    proc = run_single(args, cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    port = free_port()
+    visualdl = Path(sys.executable).with_name("visualdl")
+    cmd = [str(visualdl), "--logdir", "out/visualdl", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        app = f"http://127.0.0.1:{port}/app"
+        deadline = time.time() + 30
+        while True:
+            try:
+                runs = get_json(f"{app}/api/runs")
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "the VisualDL server did not start"
+                time.sleep(0.3)
+        assert runs == ["out/visualdl"]
+        rows = read_metrics(out)
+        served = get_json(f"{app}/api/scalar/list?run=out/visualdl&tag=epoch/val_acc")
+        assert [(s, v) for _, s, v in served] == [(r["step"], as_stored(r["val_acc"])) for r in rows]
+
+        browse = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+        browse += ["--window-size=1400,1250", "--virtual-time-budget=10000"]
+        dom = subprocess.run([*browse, "--dump-dom", f"{app}/scalar"], capture_output=True, text=True, timeout=60)
+        assert ">epoch<" in dom.stdout and ">step<" in dom.stdout, "the groups of charts are not on the page"
+        # the first group ("epoch") is open: a chart for each of metrics.jsonl's fields
+        assert dom.stdout.count("<canvas") == len(dashboard.EPOCH_FIELDS)
+        shot = tmp_path / "dashboard.png"
+        subprocess.run([*browse, f"--screenshot={shot}", f"{app}/scalar"], capture_output=True, timeout=60)
+        pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)[70:, :1120]  # below the bar, left of the panel
+        r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+        curve = (b > 180) & (r < 120) & (g < 120)  # the run's colour, rgb(41, 50, 225): its curves
+        assert curve.sum() > 1000, f"only {curve.sum()} pixels of curves: a blank or error page? see {shot}"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
