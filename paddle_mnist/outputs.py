@@ -109,15 +109,17 @@ class RunFiles:
         with self._writing(self.out):
             last_row_step = self._start(resumed_epoch)
         if self.cfg.visualdl and not self.failure:
-            with self._writing(self.out / dashboard.FOLDER):
-                try:
-                    resumed = None if resumed_epoch is None else (resumed_step, last_row_step)
-                    self.dashboard = dashboard.Dashboard(self.out, resumed)
-                except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
-                    self.failure = f"{dashboard.MISSING} ({type(e).__name__}: {e})"
-            if self.dashboard and log:
-                self._listening = (log, dashboard.ProgressScalars(self.dashboard))
-                log.addHandler(self._listening[1])
+            self._open_dashboard(None if resumed_epoch is None else (resumed_step, last_row_step), log)
+
+    def _open_dashboard(self, resumed: tuple[int, int] | None, log: logging.Logger | None) -> None:
+        with self._writing(self.out / dashboard.FOLDER):
+            try:
+                self.dashboard = dashboard.Dashboard(self.out, resumed)
+            except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
+                self.failure = f"{dashboard.MISSING} ({type(e).__name__}: {e})"
+        if self.dashboard and log:
+            self._listening = (log, dashboard.ProgressScalars(self.dashboard))
+            log.addHandler(self._listening[1])
 
     def _start(self, resumed_epoch: int | None) -> int:
         """The step of the last metrics row kept (0: none)."""
