@@ -200,12 +200,22 @@ def test_the_dashboard_draws_the_curves_in_a_headless_browser(dataset, tmp_path)
 
         browse = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
         browse += ["--window-size=1400,1250", "--virtual-time-budget=10000"]
-        dom = subprocess.run([*browse, "--dump-dom", f"{app}/scalar"], capture_output=True, text=True, timeout=60)
-        assert ">epoch<" in dom.stdout and ">step<" in dom.stdout, "the groups of charts are not on the page"
+
+        def browser(name: str, *action: str) -> Path:
+            """Run chromium once, with a profile of its own and its output to a file. On this machine (chromium 156,
+            other jobs running), the screenshot call hung until the timeout in 3 of 5 runs of this test with the
+            shared default profile and output to pipes, in 1 of 3 with a profile per call, in 0 of 6 with both."""
+            with open(tmp_path / f"{name}.out", "w") as output:
+                cmd = [*browse, f"--user-data-dir={tmp_path / name}", *action, f"{app}/scalar"]
+                subprocess.run(cmd, stdout=output, stderr=subprocess.DEVNULL, timeout=60)
+            return tmp_path / f"{name}.out"
+
+        dom = browser("dom", "--dump-dom").read_text()
+        assert ">epoch<" in dom and ">step<" in dom, "the groups of charts are not on the page"
         # the first group ("epoch") is open: a chart for each of metrics.jsonl's fields
-        assert dom.stdout.count("<canvas") == len(dashboard.EPOCH_FIELDS)
+        assert dom.count("<canvas") == len(dashboard.EPOCH_FIELDS)
         shot = tmp_path / "dashboard.png"
-        subprocess.run([*browse, f"--screenshot={shot}", f"{app}/scalar"], capture_output=True, timeout=60)
+        browser("shot", f"--screenshot={shot}")
         pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)[70:, :1120]  # below the bar, left of the panel
         r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
         curve = (b > 180) & (r < 120) & (g < 120)  # the run's colour, rgb(41, 50, 225): its curves
