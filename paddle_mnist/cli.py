@@ -155,7 +155,7 @@ def run(
         state.restore(checkpoint.load(resumed), resumed)
         log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
     files = RunFiles(cfg, env, store)
-    files.start(state.epoch if resumed else None)
+    files.start(state.epoch if resumed else None, state.step, log)
     check_best(state, files, log)
     state.start(env)
 

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import augment
+from . import augment, dashboard
 from .models import MODELS as MODEL_TABLE
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
@@ -61,6 +61,7 @@ class Config:
     save_every_steps: int = 0
     keep_checkpoints: int = 3
     log_every: int = 50
+    visualdl: bool = False  # VisualDL scalars in OUTPUT_DIR/visualdl (the optional visualdl package)
     collective_timeout: float = 300.0
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
     timing_every: int = 25  # time the phases of every Nth step (0: off)
@@ -231,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_count(p, "--keep-checkpoints", "checkpoints kept")
     _add_count(p, "--log-every", "steps between progress lines")
     p.add_argument(
+        "--visualdl",
+        action="store_true",
+        help="rank 0 also writes its scalars (per progress line and per epoch) to OUTPUT_DIR/visualdl for "
+        "visualdl --logdir OUTPUT_DIR/visualdl (pip install -r requirements-visualdl.txt)",
+    )
+    p.add_argument(
         "--collective-timeout",
         type=float,
         default=d.collective_timeout,
@@ -305,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     profile_window(cfg.profile_steps)
     if cfg.keep_checkpoints == 0:
         raise ConfigError("--keep-checkpoints must be at least 1: resuming needs the last checkpoint")
+    if cfg.visualdl and (problem := dashboard.missing()):  # on every rank, before any of them starts
+        raise ConfigError(problem)
     return cfg
 
 

@@ -106,11 +106,18 @@ class Epoch:
                 if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
                     check_finite(float(self.loss_sum), state, env)
                     elapsed = time.perf_counter() - start
-                    self.log.info(
-                        f"epoch {state.epoch + 1} step {steps}/{total} loss {float(loss):.4f} "
-                        f"lr {state.opt.get_lr():.5f} {seen * env.world_size / elapsed:.0f} img/s (global), "
-                        f"memory {memory_mb()[0]:.0f} MiB"
-                    )  # the memory figure is the last word of a worker the out-of-memory killer ends
+                    now = {
+                        "loss": float(loss),
+                        "acc": float(batch_correct) / len(labels),
+                        "lr": state.opt.get_lr(),
+                        "images_per_sec": seen * env.world_size / elapsed,
+                        "input_wait_share": timer.seconds["input_wait"] / elapsed,
+                    }
+                    self.log.info(  # the memory figure is the last word of a worker the out-of-memory killer ends
+                        f"epoch {state.epoch + 1} step {steps}/{total} loss {now['loss']:.4f} lr {now['lr']:.5f} "
+                        f"{now['images_per_sec']:.0f} img/s (global), memory {memory_mb()[0]:.0f} MiB",
+                        extra={"step": state.step, "scalars": now},  # figures for --visualdl's handler
+                    )
                 if bar.enabled:
                     bar.update(steps, f"loss {float(loss):.4f}")
                 yield state.step  # the caller's checkpoints and meetings count as logging/checkpoints time

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import paddle
 
-from . import checkpoint, data, export, plots
+from . import checkpoint, dashboard, data, export, plots
 from .config import Config
 from .distributed import DistEnv
 
@@ -72,6 +73,8 @@ class RunFiles:
         self._plotter: subprocess.Popen | None = None
         self._drawn_at = -float("inf")
         self._rows = 0
+        self.dashboard: dashboard.Dashboard | None = None  # --visualdl's writer, opened by start()
+        self._listening: tuple[logging.Logger, logging.Handler] | None = None  # the dashboard's log handler
         self.failure: str | None = None  # the first write that failed: its file and the system's reason
 
     @contextlib.contextmanager
@@ -98,19 +101,36 @@ class RunFiles:
             "with the same command and --resume auto"
         )
 
-    def start(self, resumed_epoch: int | None) -> None:
-        """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them."""
+    def start(self, resumed_epoch: int | None, resumed_step: int = 0, log: logging.Logger | None = None) -> None:
+        """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them.
+
+        With --visualdl, open the dashboard at the checkpoint's step and pass it the progress lines of `log`.
+        """
         if not self.enabled or self.failure:
             return
         with self._writing(self.out):
-            self._start(resumed_epoch)
+            last_row_step = self._start(resumed_epoch)
+        if self.cfg.visualdl and not self.failure:
+            self._open_dashboard(None if resumed_epoch is None else (resumed_step, last_row_step), log)
 
-    def _start(self, resumed_epoch: int | None) -> None:
+    def _open_dashboard(self, resumed: tuple[int, int] | None, log: logging.Logger | None) -> None:
+        with self._writing(self.out / dashboard.FOLDER):
+            try:
+                self.dashboard = dashboard.Dashboard(self.out, resumed)
+            except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
+                self.failure = f"{dashboard.MISSING} ({type(e).__name__}: {e})"
+        if self.dashboard and log:
+            self._listening = (log, dashboard.ProgressScalars(self.dashboard))
+            log.addHandler(self._listening[1])
+
+    def _start(self, resumed_epoch: int | None) -> int:
+        """The step of the last metrics row kept (0: none)."""
         self.out.mkdir(parents=True, exist_ok=True)
         _write_text_atomic(self.out / "config.json", self.cfg.to_json() + "\n")
         metrics = self.out / "metrics.jsonl"
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
+            dashboard.remove_logs(self.out)
             best = self.out / BEST_WEIGHTS
             earlier = [best, checkpoint.digest_path(best), *self.store.list()]
             for old in [*earlier, *self.out.glob("inference*")]:
@@ -120,6 +140,8 @@ class RunFiles:
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
             _write_text_atomic(metrics, "".join(r + "\n" for r in kept))
+            return json.loads(kept[-1])["step"] if kept else 0
+        return 0
 
     def append_metrics(self, row: dict) -> None:
         if not self.enabled or self.failure:
@@ -137,6 +159,8 @@ class RunFiles:
                     raise
         if self.failure:
             return
+        if self.dashboard:
+            self.dashboard.add_epoch(row)
         self._rows += 1
         idle = self._plotter is None or self._plotter.poll() is not None  # one drawing at a time
         if idle and time.monotonic() - self._drawn_at >= PLOT_INTERVAL_S:
@@ -153,7 +177,11 @@ class RunFiles:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
     def finish(self) -> None:
-        """Wait for a drawing under way, then draw the final curves."""
+        """Close the dashboard; wait for a drawing under way, then draw the final curves."""
+        if self._listening:
+            self._listening[0].removeHandler(self._listening[1])
+        if self.dashboard:
+            self.dashboard.close()
         if not self.enabled or not self._rows:
             return
         if self._plotter is not None:
@@ -163,6 +191,8 @@ class RunFiles:
     def save_checkpoint(self, state: dict) -> None:
         if not self.enabled or self.failure:
             return
+        if self.dashboard:  # every scalar up to the checkpoint's step is on disk before the checkpoint is
+            self.dashboard.flush()
         with self._writing(self.store.path(state["step"])):
             self.store.save(state)
 
