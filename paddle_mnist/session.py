@@ -104,11 +104,20 @@ class Session:
     of them at the same step, after a checkpoint.
     """
 
-    def __init__(self, cfg: Config, env: DistEnv, log: logging.Logger, state: TrainState, files: RunFiles, **kw):
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        log: logging.Logger,
+        state: TrainState,
+        files: RunFiles,
+        *,
+        stop: StopSignals,
+        batches_per_epoch: int,
+        resumed: Path | None,
+    ):
         self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
-        self.stop: StopSignals = kw["stop"]
-        self.batches_per_epoch: int = kw["batches_per_epoch"]
-        self.resumed: Path | None = kw["resumed"]
+        self.stop, self.batches_per_epoch, self.resumed = stop, batches_per_epoch, resumed
         planned = cfg.epochs * self.batches_per_epoch
         self.last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
         self.cadence = preempt.Cadence()
