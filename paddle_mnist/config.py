@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-dir",
         default=d.data_dir,
         help="folder (or the archive or .json.gz file itself) holding the dataset "
-        "(None: data/<dataset> in this repository; scripts/download_data.py puts it there)",
+        "(None: data/<dataset> in this repository; python -m paddle_mnist.download puts it there)",
     )
     p.add_argument(
         "--augment",

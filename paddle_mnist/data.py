@@ -61,7 +61,7 @@ class Dataset:
 
 def _missing(folder: Path, name: str, what: str) -> DataError:
     return DataError(
-        f"{folder}: {what}; run python scripts/download_data.py {name} (on a machine with network), "
+        f"{folder}: {what}; run python -m paddle_mnist.download {name} (on a machine with network), "
         "or put the files there, or pass --data-dir"
     )
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from helpers import REPO, explain, launch_env, make_dataset, run_single
+from helpers import explain, launch_env, make_dataset, run_single
 
 from paddle_mnist import checkpoint, config, data
 from paddle_mnist.distributed import DistEnv
@@ -49,6 +49,7 @@ def test_weight_average_follows_its_formula():
         np.testing.assert_allclose(value.numpy(), start[key] + 0.5, rtol=1e-6, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow
 def test_ema_run_evaluates_saves_and_checkpoints_the_average(fashion_dir, tmp_path):
     out = tmp_path / "o"
     args = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64", "--ema", "0.9"]
@@ -87,6 +88,7 @@ def test_tta_scores_the_mean_of_each_image_and_its_mirror(fashion_dir):
     assert got.loss != plain.loss  # the mirror images did change the outputs
 
 
+@pytest.mark.slow
 def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(fashion_dir, tmp_path):
     args = ["--data-dir", str(fashion_dir), "--epochs", "4", "--batch-size", "64", "--log-every", "0"]
     full = run_single([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path)
@@ -104,6 +106,7 @@ def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(fashion
     assert (tmp_path / "stop" / "model.pdparams").is_file() and (tmp_path / "stop" / "inference_meta.json").is_file()
 
 
+@pytest.mark.slow
 def test_metrics_rows_carry_seconds_since_the_command_started(fashion_dir, tmp_path):
     args = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64", "--log-every", "0"]
     proc = run_single([*args, "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
@@ -114,10 +117,11 @@ def test_metrics_rows_carry_seconds_since_the_command_started(fashion_dir, tmp_p
     assert times[1] - times[0] >= epochs[1]
 
 
+@pytest.mark.slow
 def test_time_to_accuracy_script_reports_every_seed(fashion_dir, tmp_path):
-    script = REPO / "scripts" / "time_to_accuracy.py"
     train = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64"]
-    cmd = [sys.executable, str(script), "--target", "0.2", "--seeds", "1", "2", "--workers", "1"]
+    cmd = [sys.executable, "-m", "benchmarks.time_to_accuracy", "--target", "0.2", "--seeds", "1", "2"]
+    cmd += ["--workers", "1"]
     cmd += ["--json", str(tmp_path / "t.json"), "--work-dir", str(tmp_path / "runs"), "--", *train]
     proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

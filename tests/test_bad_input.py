@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import make_dataset, run_single
 
+pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
+
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):

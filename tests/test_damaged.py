@@ -58,6 +58,7 @@ def copy_run(trained_dir: Path, to: Path) -> Path:
     return to
 
 
+@pytest.mark.slow
 def test_resume_sets_aside_crafted_bitflipped_and_truncated_checkpoints_and_uses_the_intact_one(tmp_path, trained):
     out, args = copy_run(trained[0], tmp_path / "o"), trained[1]
     ckpts = checkpoint.list_checkpoints(out)
@@ -84,6 +85,7 @@ def test_resume_sets_aside_crafted_bitflipped_and_truncated_checkpoints_and_uses
     checkpoint.load(checkpoint.list_checkpoints(out)[-1])
 
 
+@pytest.mark.slow
 def test_resume_with_no_intact_checkpoint_stops_listing_them_and_overwrites_nothing(tmp_path, trained):
     out, args = copy_run(trained[0], tmp_path / "o"), trained[1]
     for path in checkpoint.list_checkpoints(out):
@@ -113,6 +115,7 @@ def limit_file_size(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_stops_every_rank_with_one_line_and_keeps_the_last_good_one(tmp_path, trained):
     """A file-size limit makes the kernel refuse the write (EFBIG) exactly where a full disk refuses it (ENOSPC),
     without root or a mount: both are an OSError from write(2) on the checkpoint's temporary file."""

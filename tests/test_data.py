@@ -138,7 +138,8 @@ def test_truncated_or_empty_archive_is_refused(tmp_path, cut):
 
 
 def test_no_cifar_files_says_how_to_get_them(tmp_path):
-    with pytest.raises(data.DataError, match="neither cifar-10-python.tar.gz nor cifar-10-batches-py/.*download_data"):
+    want = r"neither cifar-10-python\.tar\.gz nor cifar-10-batches-py/.*python -m paddle_mnist\.download cifar10"
+    with pytest.raises(data.DataError, match=want):
         data.load_dataset("cifar10", str(tmp_path))
 
 
@@ -152,6 +153,7 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 def test_a_pickle_that_would_run_code_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     payload = pickle.dumps({b"data": _RunsCode(marker), b"labels": [0]}, protocol=2)
@@ -333,6 +335,7 @@ def test_batches_resume_mid_epoch_with_the_same_augmentation():
 TINY = ["--log-every", "0", "--lr", "0.01", "--epochs", "2"]
 
 
+@pytest.mark.slow
 def test_two_workers_train_on_a_cifar10_archive(tmp_path):
     write_cifar_archive(tmp_path / "c" / ARCHIVE, cifar_members(n_per_batch=64, n_test=50))
     args = [*TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--output-dir", str(tmp_path / "o")]
@@ -350,6 +353,7 @@ def test_two_workers_train_on_a_cifar10_archive(tmp_path):
         assert "input wait" in text
 
 
+@pytest.mark.slow
 def test_mnist_json_validates_on_valid_and_tests_on_eval(tmp_path):
     write_mnist_json(tmp_path / "j" / "mnist.json.gz", mnist_json_tree((256, 40, 30)))
     args = [*TINY, "--dataset", "mnist-json", "--data-dir", str(tmp_path / "j"), "--output-dir", str(tmp_path / "o")]
@@ -361,6 +365,7 @@ def test_mnist_json_validates_on_valid_and_tests_on_eval(tmp_path):
     assert "validation 40 of 40, test 30 of 30" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_damaged_archive_stops_the_run_before_anything_is_written(tmp_path):
     write_cifar_archive(tmp_path / "c" / ARCHIVE, damaged_cifar("label out of range"))
     args = [*TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--output-dir", str(tmp_path / "o")]

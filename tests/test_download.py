@@ -1,4 +1,4 @@
-"""scripts/download_data.py run as users run it, against a local HTTP server on 127.0.0.1 (or a closed port)."""
+"""python -m paddle_mnist.download run as users run it, against a local HTTP server on 127.0.0.1 (or a closed port)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, explain, make_dataset, make_images, write_idx
+from helpers import explain, launch_env, make_dataset, make_images, write_idx
 
+from paddle_mnist.data import CIFAR_ARCHIVE, MNIST_JSON, REPO_DATA
+from paddle_mnist.download import IDX_NAMES as IDX
+from paddle_mnist.download import SUMS
 from paddle_mnist.formats import read_idx, read_mnist_json
 
-SCRIPT = REPO / "scripts" / "download_data.py"
-IDX = (
-    "train-images-idx3-ubyte.gz",
-    "train-labels-idx1-ubyte.gz",
-    "t10k-images-idx3-ubyte.gz",
-    "t10k-labels-idx1-ubyte.gz",
-)
+pytestmark = pytest.mark.slow  # every test runs the command in a new process
+
 PUBLISHED_MNIST_MD5 = (
     "f68b3c2dcbeaaa9fbdd348bbdeb94873",
     "d53e105ee54ea40749a09fcbcd1e9432",
@@ -86,8 +84,8 @@ def closed_port_url() -> str:
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPT), *args]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-m", "paddle_mnist.download", *args]
+    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=120)
 
 
 def md5(path: Path) -> str:
@@ -107,11 +105,11 @@ def test_fetches_verifies_places_then_skips(server, tmp_path):
     args = ["mnist", "--data-dir", str(dest), "--mirror", server.url, "--checksums", str(sums)]
     proc = run(args, cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
-    assert sorted(p.name for p in dest.iterdir()) == sorted([*IDX, "SHA256SUMS"])  # no .partial left
+    assert sorted(p.name for p in dest.iterdir()) == sorted([*IDX, SUMS])  # no .partial left
     for name in IDX:
         assert (dest / name).read_bytes() == (server.root / name).read_bytes()
         assert f"{name}: fetched" in proc.stdout and f"{server.url}/{name}" in proc.stdout
-    listed = dict(reversed(line.split("  ")) for line in (dest / "SHA256SUMS").read_text().splitlines())
+    listed = dict(reversed(line.split("  ")) for line in (dest / SUMS).read_text().splitlines())
     assert listed == {n: hashlib.sha256((dest / n).read_bytes()).hexdigest() for n in IDX}
     assert read_idx(dest / IDX[0], 3).shape == (64, 28, 28)
     assert read_idx(dest / IDX[3], 1).shape == (32,)
@@ -146,7 +144,7 @@ def test_checksum_mismatch_keeps_nothing_bad_and_never_replaces_a_good_file(serv
     assert IDX[1] not in server.requests  # verified in place, so never fetched again
     assert sorted(p.name for p in dest.iterdir()) == sorted([IDX[1], IDX[2], IDX[3]])  # no bad file, no .partial
     assert good_labels.read_bytes() == good_bytes and good_labels.stat().st_mtime_ns == good_mtime
-    assert not (dest / "SHA256SUMS").exists()
+    assert not (dest / SUMS).exists()
 
 
 def test_broken_connection_leaves_no_partial_file(server, tmp_path):
@@ -172,7 +170,7 @@ def test_offline_says_which_files_to_put_where_and_writes_nothing(tmp_path):
 
 
 def test_offline_default_destination_is_where_the_trainer_looks(tmp_path):
-    target = REPO / "data" / "cifar10" / "cifar-10-python.tar.gz"
+    target = REPO_DATA / "cifar10" / CIFAR_ARCHIVE
     if target.exists():
         pytest.skip(f"{target} is already there")
     proc = run(["cifar10", "--mirror", closed_port_url(), "--timeout", "5"], cwd=tmp_path)  # another cwd on purpose
@@ -183,7 +181,7 @@ def test_offline_default_destination_is_where_the_trainer_looks(tmp_path):
 
 def test_shipped_fashion_mnist_is_already_in_place(tmp_path):
     """Debian's re-compressed copies fail the published MD5s but match the shipped SHA256SUMS: nothing to fetch."""
-    folder = REPO / "data" / "fashion-mnist"
+    folder = REPO_DATA / "fashion-mnist"
     before = sorted(p.name for p in folder.iterdir())
     proc = run(["fashion-mnist", "--mirror", closed_port_url()], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
@@ -198,9 +196,9 @@ def test_builds_mnist_json_with_the_course_split(server, tmp_path):
     args = ["mnist-json", "--data-dir", str(dest), "--mirror", server.url, "--checksums", str(sums)]
     proc = run(args, cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
-    assert sorted(p.name for p in dest.iterdir()) == ["SHA256SUMS", "mnist.json.gz"]
-    built = dest / "mnist.json.gz"
-    assert (dest / "SHA256SUMS").read_text() == f"{hashlib.sha256(built.read_bytes()).hexdigest()}  mnist.json.gz\n"
+    assert sorted(p.name for p in dest.iterdir()) == sorted([SUMS, MNIST_JSON])
+    built = dest / MNIST_JSON
+    assert (dest / SUMS).read_text() == f"{hashlib.sha256(built.read_bytes()).hexdigest()}  {MNIST_JSON}\n"
 
     tree = json.loads(gzip.decompress(built.read_bytes()))
     train_x, train_y = read_idx(server.root / IDX[0], 3), read_idx(server.root / IDX[1], 1)

@@ -21,7 +21,7 @@ import pytest
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
 from test_recovery import ARGS, kill_rank_1_in_epoch_2, weights
 
-pytestmark = pytest.mark.elastic
+pytestmark = [pytest.mark.elastic, pytest.mark.slow]
 
 
 def free_port() -> int:

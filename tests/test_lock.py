@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, worker_log
 
 from paddle_mnist.lock import LOCK_NAME, RunLock
@@ -31,6 +32,7 @@ def dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_second_run_into_a_busy_output_dir_is_refused_with_the_holder_then_sigint_stops_the_first(tmp_path):
     """Refused through the launcher and without it, before training, naming the holder's pid; the first run goes
     on untouched, and Ctrl-C (SIGINT) then stops it cleanly (exit 130), releasing the folder."""
@@ -66,6 +68,7 @@ def test_second_run_into_a_busy_output_dir_is_refused_with_the_holder_then_sigin
     assert not (out / LOCK_NAME).exists()
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path):
     args = [*ARGS, "--data-dir", str(make_dataset(tmp_path / "mnist", n_train=64, n_test=16)), "--epochs", "1"]
     out = tmp_path / "o"

@@ -17,6 +17,8 @@ from paddle_mnist.distributed import DistEnv
 from paddle_mnist.engine import evaluate
 from paddle_mnist.models import MnistCNN
 
+pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
+
 SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "4", "--lr", "0.02"]
 
 

@@ -68,6 +68,7 @@ def mnist(tmp_path_factory):
     return root, ds, net, paths
 
 
+@pytest.mark.slow
 def test_export_then_predict_equals_the_network_in_memory(mnist):
     root, ds, net, paths = mnist
     meta = json.loads(export.meta_path(root / "out" / "inference").read_text())
@@ -81,6 +82,7 @@ def test_export_then_predict_equals_the_network_in_memory(mnist):
     assert_same_answers(json.loads(proc.stdout), logits_in_memory(net, ds, paths), paths, ds.classes)
 
 
+@pytest.mark.slow
 def test_three_channel_model_takes_a_grey_image(tmp_path):
     images, labels = make_colour_images(32, seed=1)
     mean, std = data.channel_stats(images)
@@ -98,6 +100,7 @@ def test_three_channel_model_takes_a_grey_image(tmp_path):
     assert_same_answers(json.loads(proc.stdout), logits_in_memory(net, ds, [grey]), [grey], ds.classes)
 
 
+@pytest.mark.slow
 def test_unreadable_images_are_named_and_the_others_still_predicted(mnist):
     root, ds, net, paths = mnist
     missing, fake = root / "no-such.png", root / "fake.png"
@@ -116,6 +119,7 @@ def test_unreadable_images_are_named_and_the_others_still_predicted(mnist):
     assert_same_answers(good, logits_in_memory(net, ds, [paths[0], paths[1]]), [paths[0], paths[1]], ds.classes)
 
 
+@pytest.mark.slow
 def test_missing_model_says_to_train_first(tmp_path):
     image = tmp_path / "a.png"
     Image.new("L", (28, 28)).save(image)
@@ -135,6 +139,7 @@ def test_incomplete_export_is_refused(mnist, tmp_path):
         export.load_exported(tmp_path / "inference")
 
 
+@pytest.mark.slow
 def test_plain_text_shows_class_names(mnist):
     root, ds, net, paths = mnist
     proc = run_predict(["--model", str(root / "out" / "inference"), "--image", str(paths[0]), "--top", "2"], cwd=root)

@@ -17,6 +17,8 @@ from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, wor
 from paddle_mnist import checkpoint
 from paddle_mnist.logs import summarise
 
+pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
+
 ARGS = ["--dataset", "mnist", "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
 # 64 steps an epoch: the ranks meet about every 0.25 s, so a signal early in the epoch stops it mid-epoch
 ARGS += ["--log-every", "4", "--eval-limit", "100"]

@@ -114,6 +114,7 @@ def mnist_dir(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=64)
 
 
+@pytest.mark.slow
 def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights."""
     args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2"]
@@ -133,6 +134,7 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     assert not np.allclose(a["fc.weight"].numpy(), 0)
 
 
+@pytest.mark.slow
 def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(mnist_dir, tmp_path):
     """Each worker's running mean and variance come from its own shards; they are averaged before each
     evaluation, so the ranks end bit-identical and the accuracy they report together is that of the saved model."""
@@ -147,6 +149,7 @@ def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(
     assert not np.allclose(saved["features.1._mean"].numpy(), 0)  # the statistics did move from their start
 
 
+@pytest.mark.slow
 def test_fp16_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path):
     args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "fp16", "--output-dir", str(tmp_path / "o")]
     proc = run_single(args, cwd=tmp_path)
@@ -156,6 +159,7 @@ def test_fp16_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_sync_bn_on_cpu_workers_is_refused(tmp_path):
     write_cifar_archive(tmp_path / "c" / "cifar-10-python.tar.gz", cifar_members(n_per_batch=16, n_test=8))
     args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", "minigooglenet", "--sync-bn"]
@@ -167,6 +171,7 @@ def test_sync_bn_on_cpu_workers_is_refused(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["minigooglenet", "cifar_cnn"])
 def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
     write_cifar_archive(tmp_path / "c" / "cifar-10-python.tar.gz", cifar_members(n_per_batch=16, n_test=8))
@@ -194,6 +199,7 @@ def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
     assert result["steps"] == 3 and result["test_count"] == 8
 
 
+@pytest.mark.slow
 def test_bf16_runs_on_cpu(mnist_dir, tmp_path):
     args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "bf16", "--max-steps", "3", "--epochs", "1"]
     proc = run_single([*args, "--log-every", "1", "--output-dir", str(tmp_path / "o")], cwd=tmp_path)

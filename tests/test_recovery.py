@@ -15,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import paddle
+import pytest
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, worker_log
 
 from paddle_mnist import checkpoint, export
 from paddle_mnist.logs import summarise
 from paddle_mnist.models import MnistCNN
+
+pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
 
 ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 ARGS += ["--batch-size", "64", "--epochs", "2"]

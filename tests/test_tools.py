@@ -69,6 +69,7 @@ def test_clipping_scales_the_step_to_the_norm_and_reports_the_norm_before():
     assert moved == pytest.approx(cfg.lr * CLIP, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_clipped_two_workers_equal_one_process_and_log_how_often(one_and_two):
     one, two = weights(one_and_two / "one" / "model.pdparams"), weights(one_and_two / "two" / "model.pdparams")
     for name in one:
@@ -81,6 +82,7 @@ def test_clipped_two_workers_equal_one_process_and_log_how_often(one_and_two):
         assert lines == [("8", "8"), ("8", "8")], text[-2000:]
 
 
+@pytest.mark.slow
 def test_best_epoch_is_kept_and_exported(one_and_two):
     out = one_and_two / "two"
     rows = metrics(out)
@@ -109,6 +111,7 @@ def test_best_epoch_is_kept_and_exported(one_and_two):
     np.testing.assert_allclose(exported(x).numpy(), net(x).numpy(), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_best_so_far(dataset, tmp_path):
     """A run stopped after its first epoch and resumed ends with the same best as an uninterrupted one, even when
     model_best.pdparams was lost in between (a stop after the checkpoint, before the best weights were written)."""
@@ -139,6 +142,7 @@ def test_summary_counts_parameters_and_multiply_adds():
     assert bn.parameters - bn.trainable == 2 * 2 * 20  # running mean and variance of two 20-channel norms
 
 
+@pytest.mark.slow
 def test_summary_is_logged_once_by_rank_zero(one_and_two):
     first, second = worker_log(one_and_two / "log", 0), worker_log(one_and_two / "log", 1)
     headline = f"model mnist_cnn: {count_parameters(MnistCNN()):,} trained parameters; forward pass 4.72 MFLOPs"
@@ -147,6 +151,7 @@ def test_summary_is_logged_once_by_rank_zero(one_and_two):
     assert headline not in second and "Layer (type)" not in second
 
 
+@pytest.mark.slow
 def test_profile_window_writes_every_ranks_trace_and_names_the_costliest_operators(one_and_two):
     for rank in (0, 1):
         folder = one_and_two / "two" / "profile"

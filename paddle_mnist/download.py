@@ -1,4 +1,7 @@
-"""Fetch a dataset's official files, check their published MD5s and put them where the trainer looks."""
+"""Fetch a dataset's official files, check their published MD5s and put them where the trainer looks.
+
+python -m paddle_mnist.download mnist        # or fashion-mnist, cifar10, mnist-json; also paddle-mnist-download
+"""
 
 from __future__ import annotations
 
@@ -17,22 +20,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # so that "python scripts/download_data.py" finds the package from any directory
+from .config import DATASETS
+from .data import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA
+from .formats import DataError, check_pair, read_idx
 
-from paddle_mnist.formats import DataError, check_pair, read_idx  # noqa: E402
-
-MNIST_JSON = "mnist.json.gz"
 VALID_SIZE = 10_000  # the course's file: the last 10,000 MNIST training images are its 'valid' split
 SUMS = "SHA256SUMS"
 CHUNK = 1 << 20
-USER_AGENT = "paddle_mnist-download_data/0.1"
-IDX_NAMES = (
-    "train-images-idx3-ubyte.gz",
-    "train-labels-idx1-ubyte.gz",
-    "t10k-images-idx3-ubyte.gz",
-    "t10k-labels-idx1-ubyte.gz",
-)
+USER_AGENT = "paddle_mnist-download/0.1"
+IDX_NAMES = tuple(f"{stem}.gz" for split in ("train", "test") for stem in IDX_FILES[split])  # as published: gzipped
 
 
 @dataclass(frozen=True)
@@ -72,11 +68,8 @@ PUBLISHED = {
             )
         ),
     ),
-    "cifar10": Published(
-        ("https://www.cs.toronto.edu/~kriz/",), {"cifar-10-python.tar.gz": "c58f30108f718f92721af3b95e74349a"}
-    ),
+    "cifar10": Published(("https://www.cs.toronto.edu/~kriz/",), {CIFAR_ARCHIVE: "c58f30108f718f92721af3b95e74349a"}),
 }
-DATASETS = ("mnist", "fashion-mnist", "cifar10", "mnist-json")
 
 
 @dataclass(frozen=True)
@@ -329,7 +322,7 @@ def build_mnist_json(files: Sequence[Remote], folder: Path, timeout: float) -> N
     if sums_intact(folder, [MNIST_JSON]):
         print(f"{folder / MNIST_JSON}: already built (matches {SUMS}); nothing to do")
         return
-    mnist = REPO / "data" / "mnist"
+    mnist = REPO_DATA / "mnist"
     if all(md5_ok(mnist / r.name, r.md5) for r in files):
         print(f"using the MNIST files in {mnist} (MD5s verified)")
         write_mnist_json(mnist, folder / MNIST_JSON)
@@ -342,10 +335,13 @@ def build_mnist_json(files: Sequence[Remote], folder: Path, timeout: float) -> N
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m paddle_mnist.download",
+        description=__doc__.splitlines()[0],
+    )
     parser.add_argument("dataset", choices=DATASETS, help="mnist-json is built from the MNIST files")
     parser.add_argument(
-        "--data-dir", help="where to put the files (default: data/DATASET/ in the repository, where the trainer looks)"
+        "--data-dir", help=f"where to put the files (default: {REPO_DATA}{os.sep}DATASET, where the trainer looks)"
     )
     parser.add_argument(
         "--mirror", metavar="BASE_URL", help="fetch BASE_URL/NAME instead of the official hosts (http, https, file)"
@@ -370,7 +366,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_args(argv)
-    folder = Path(args.data_dir).resolve() if args.data_dir else REPO / "data" / args.dataset
+    folder = Path(args.data_dir).resolve() if args.data_dir else REPO_DATA / args.dataset
     files = remote_files(args.dataset, args.mirror, overrides)
     try:
         if args.dataset == "mnist-json":
