@@ -1,7 +1,7 @@
 """Training throughput of this trainer against a hand-written Paddle loop, paddle.Model.fit, the tutorials' loop
 and the same loop in PyTorch.
 
-    python scripts/bench.py                      # Fashion-MNIST, mnist_cnn, global batch 128, 1 and 2 workers
+    python -m benchmarks.bench                   # Fashion-MNIST, mnist_cnn, global batch 128, 1 and 2 workers
 
 Every contender trains the same model on the same data with the same global batch, optimizer, thread settings
 and world size, each in fresh processes (python -m paddle.distributed.launch for 2+ workers), in one run. Each
@@ -10,11 +10,11 @@ reversed every other round), so that a slow spell of a shared machine falls on a
 figure is the median of all its windows, in global images/s. The trainer is run exactly as users run it
 (python train.py, or under the launcher) and read from its metrics.jsonl, one short epoch per window; it runs
 twice, with the per-step timing breakdown on (its default) and off, so the cost of the breakdown shows. The
-hand-written loops train the tutorial's layers as written (MnistCNN(plain=True)); "bare-mkl" is the same loop with
-the MKL setting the trainer makes on AMD processors (paddle_mnist/cpu.py), which tells that lever apart from the
-network's faster forward. "torch" runs where PyTorch is installed (never a requirement) and is skipped otherwise. Writes
-a table, JSON (--json) and scaling.png (--plot); then measures the peak resident memory per worker of a short
-trainer run for each dataset and model (--no-memory skips that).
+hand-written loops (benchmarks/plain_loop.py) train the tutorial's layers as written (MnistCNN(plain=True));
+"bare-mkl" is the same loop with the MKL setting the trainer makes on AMD processors (paddle_mnist/cpu.py), which
+tells that lever apart from the network's faster forward. "torch" runs where PyTorch is installed (never a
+requirement) and is skipped otherwise. Writes a table, JSON (--json) and scaling.png (--plot); then measures the
+peak resident memory per worker of a short trainer run for each dataset and model (--no-memory skips that).
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_input import generate_cifar_archive
+from paddle_mnist import cpu, data, distributed, plots
+from paddle_mnist.config import PER_WORKER_BATCH
+from paddle_mnist.download import write_mnist_json
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from bench_input import generate_cifar_archive  # noqa: E402
-from download_data import write_mnist_json  # noqa: E402
-
-from paddle_mnist import cpu, distributed  # noqa: E402
+CONTENDER_SCRIPT = Path(__file__).resolve().parent / "bench_contenders.py"  # a script path, as the launchers want
 
 CONTENDERS = {
     "bare": "hand-written loop",
@@ -103,7 +103,7 @@ def run_trainer(args, workers: int, work: Path, name: str, extra: list[str]) -> 
     cmd += ["--epochs", str(args.windows + 1), "--eval-limit", "1000", "--log-every", "0"]
     cmd += ["--output-dir", str(out), *extra]
     stdout = run(cmd, args.env[workers], f"the trainer ({workers} workers)", log_dir)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = plots.read_metrics(out / plots.METRICS_FILE)
     peaks = [float(PEAK.findall(text)[-1]) for text in worker_text(stdout, workers, log_dir)]
     return {"rates": [r["images_per_sec"] for r in rows[1:]], "peak_mb": peaks, "shares": rows[-1]["step_time_shares"]}
 
@@ -116,7 +116,7 @@ def run_contender(args, contender: str, workers: int, work: Path) -> dict:
     log_dir, out = work / f"{contender}-w{workers}-log", work / f"{contender}-w{workers}"
     fresh(log_dir)  # the ranks' JSON is rewritten, the logs must be emptied
     loop = "bare" if contender == "bare-mkl" else contender
-    cmd = launcher(workers, log_dir, torch=contender == "torch") + [str(REPO / "scripts" / "bench_contenders.py"), loop]
+    cmd = launcher(workers, log_dir, torch=contender == "torch") + [str(CONTENDER_SCRIPT), loop]
     cmd += ["--data-dir", str(args.data_dir), "--batch", str(args.batch), "--steps", str(args.steps)]
     cmd += ["--windows", str(args.windows), "--threads", str(threads_for(workers)), "--out", str(out)]
     env = dict(args.env[workers], **(args.mkl if contender == "bare-mkl" else {}))
@@ -134,8 +134,8 @@ def memory_runs(args, work: Path) -> list[dict]:
     """Peak resident memory per worker of a few trainer steps on each dataset and model (2 workers)."""
     cifar = work / "cifar10"
     cifar.mkdir()
-    generate_cifar_archive(cifar / "cifar-10-python.tar.gz")
-    sources = {"fashion-mnist": args.data_dir, "cifar10": cifar, "mnist-json": work / "mnist.json.gz"}
+    generate_cifar_archive(cifar / data.CIFAR_ARCHIVE)
+    sources = {"fashion-mnist": args.data_dir, "cifar10": cifar, "mnist-json": work / data.MNIST_JSON}
     write_mnist_json(args.data_dir, sources["mnist-json"])  # the course's layout, from the Fashion-MNIST files
     rows = []
     for dataset, model in MEMORY_RUNS:
@@ -210,10 +210,12 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-dir", type=Path, default=REPO / "data" / "fashion-mnist", help="Fashion-MNIST idx files")
+    p.add_argument("--data-dir", type=Path, default=data.REPO_DATA / "fashion-mnist", help="Fashion-MNIST idx files")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="world sizes to measure")
     p.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
-    p.add_argument("--batch", type=int, default=128, help="global batch (the tutorials' 64 per worker at 2)")
+    p.add_argument(
+        "--batch", type=int, default=2 * PER_WORKER_BATCH, help="global batch (the tutorials' per-worker batch at 2)"
+    )
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per timed window")
     p.add_argument("--windows", type=int, default=3, help="timed windows per process, after one warm-up window")
     p.add_argument("--rounds", type=int, default=2, help="times each contender runs, taking turns with the others")

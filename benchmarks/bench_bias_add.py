@@ -1,6 +1,6 @@
 """The per-channel bias add of a convolution, forward and backward, in three layouts (one process, one thread).
 
-    python scripts/bench_bias_add.py
+    python -m benchmarks.bench_bias_add
 
 (1, C, 1, 1) is how nn.Conv2D adds its bias; (C, 1) on an (N, C, H*W) view is what models.add_channel_bias does;
 (C,) on an NHWC transpose is the channels-last alternative. Each figure is the median over 7 repeats of the mean
@@ -12,11 +12,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from paddle_mnist import cpu  # noqa: E402
+from paddle_mnist import cpu
 
 cpu.prefer_fast_kernels()  # as the trainer runs
 

@@ -1,4 +1,4 @@
-"""The loops scripts/bench.py times against the trainer, one per process (under the launcher for 2+ workers).
+"""The loops benchmarks/bench.py times against the trainer, one per process (under the launcher for 2+ workers).
 
     bare      a hand-written loop: forward, loss, backward, step over batches already in memory as tensors
     torch     the same loop, network and batch in PyTorch with DistributedDataParallel (gloo), where torch is installed
@@ -7,13 +7,15 @@
               keeping every world-th batch (what distributed_batch_reader did), fed to the dygraph loop
 
 Every Paddle contender trains the tutorial's layers as the tutorial writes them (MnistCNN(plain=True): nn.Conv2D
-with its bias, ReLU, max-pool), so they show what a user's own loop gets. Each rank writes
+with its bias, ReLU, max-pool) with the plain loop of benchmarks/plain_loop.py, so they show what a user's own loop
+gets. Each rank writes
 {"rates": [global images/s per timed window], "peak_mb": ...} to OUT.rank<N>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -24,16 +26,10 @@ from pathlib import Path
 import numpy as np
 import paddle
 import paddle.distributed as dist
-import paddle.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from paddle_mnist import formats  # noqa: E402
-from paddle_mnist.models import MnistCNN  # noqa: E402
-
-MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST's training statistics, as the trainer computes them
-LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4  # the trainer's defaults
+from benchmarks.plain_loop import DEFAULTS, optimizer, train
+from paddle_mnist import data
+from paddle_mnist.models import MnistCNN
 
 
 class Windows:
@@ -56,56 +52,43 @@ class Windows:
         return [self.steps * self.global_batch / (b - a) for a, b in zip(self.marks, self.marks[1:])]
 
 
-def optimizer(model: paddle.nn.Layer) -> paddle.optimizer.Optimizer:
-    return paddle.optimizer.Momentum(
-        learning_rate=LR,
-        momentum=MOMENTUM,
-        parameters=model.parameters(),
-        weight_decay=paddle.regularizer.L2Decay(WEIGHT_DECAY),
-    )
-
-
 def parallel(model: paddle.nn.Layer) -> paddle.nn.Layer:
     return paddle.DataParallel(model) if dist.get_world_size() > 1 else model
 
 
-def read_train(data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
-    images = formats.read_idx(data_dir / "train-images-idx3-ubyte.gz", 3)
-    labels = formats.read_idx(data_dir / "train-labels-idx1-ubyte.gz", 1)
-    return images, labels.astype("int64")
+def read_train(data_dir: Path) -> data.Dataset:
+    """Fashion-MNIST as the trainer reads it: its training split and statistics."""
+    return data.load_dataset("fashion-mnist", str(data_dir))
+
+
+def shard_batches(ds: data.Dataset, per_worker: int, rank: int, world: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A few distinct normalised batches of this rank's share, so no step reuses the last one's memory."""
+    batches = []
+    for k in range(8):
+        lo = (k * world + rank) * per_worker
+        x = data.normalise(ds.train.images[lo : lo + per_worker], ds.mean, ds.std)
+        batches.append((x, ds.train.labels[lo : lo + per_worker]))
+    return batches
 
 
 def run_bare(args, clock: Windows) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_worker = args.batch // world
-    images, labels = read_train(args.data_dir)
-    batches = []
-    for k in range(8):  # a few distinct batches, so no step reuses the last one's memory
-        lo = (k * world + rank) * per_worker
-        x = ((images[lo : lo + per_worker].astype("float32") / 255 - MEAN) / STD)[:, None]
-        batches.append((paddle.to_tensor(x), paddle.to_tensor(labels[lo : lo + per_worker])))
+    batches = shard_batches(read_train(args.data_dir), args.batch // world, rank, world)
+    tensors = [(paddle.to_tensor(x), paddle.to_tensor(y)) for x, y in batches]
     model = parallel(MnistCNN(plain=True))
-    opt = optimizer(model)
-    step = 0
-    while True:
-        x, y = batches[step % len(batches)]
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-        step += 1
-        if clock.tick():
-            break
+    train(model, optimizer(model), itertools.cycle(tensors), clock.tick)
 
 
 def run_fit(args, clock: Windows) -> None:
     import paddle.vision.transforms as T
 
+    ds = read_train(args.data_dir)  # for the statistics fit normalises with
+    images, labels = data.IDX_FILES["train"]
     dataset = paddle.vision.datasets.FashionMNIST(
-        image_path=str(args.data_dir / "train-images-idx3-ubyte.gz"),
-        label_path=str(args.data_dir / "train-labels-idx1-ubyte.gz"),
+        image_path=str(args.data_dir / f"{images}.gz"),
+        label_path=str(args.data_dir / f"{labels}.gz"),
         mode="train",
-        transform=T.Compose([T.ToTensor(), T.Normalize(mean=[MEAN], std=[STD])]),
+        transform=T.Compose([T.ToTensor(), T.Normalize(mean=list(ds.mean), std=list(ds.std))]),
     )
 
     class Tick(paddle.callbacks.Callback):
@@ -128,11 +111,13 @@ def run_fit(args, clock: Windows) -> None:
 def run_tutorial(args, clock: Windows) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     per_worker = args.batch // world
-    images, labels = read_train(args.data_dir)
+    ds = read_train(args.data_dir)
+    images, labels = ds.train.images[:, 0], ds.train.labels
+    mean, std = ds.mean[0], ds.std[0]
 
     def sample_reader():  # paddle.dataset.mnist.train(): one normalised, flattened image at a time
         for i in np.random.permutation(len(labels)):
-            yield (images[i].astype("float32") / 255 - MEAN) / STD, int(labels[i])
+            yield (images[i].astype("float32") / 255 - mean) / std, int(labels[i])
 
     def batch_reader():  # paddle.batch(..., drop_last=True)
         batch = []
@@ -147,18 +132,15 @@ def run_tutorial(args, clock: Windows) -> None:
             if i % world == rank:
                 yield batch
 
+    def tensors():  # epoch after epoch, each batch stacked in Python as the tutorial's feeder did
+        while True:
+            for batch in distributed_batch_reader():
+                x = np.array([s[0].reshape(1, *images.shape[1:]) for s in batch]).astype("float32")
+                y = np.array([s[1] for s in batch]).astype("int64")
+                yield paddle.to_tensor(x), paddle.to_tensor(y)
+
     model = parallel(MnistCNN(plain=True))
-    opt = optimizer(model)
-    while True:
-        for batch in distributed_batch_reader():
-            x = np.array([s[0].reshape(1, 28, 28) for s in batch]).astype("float32")
-            y = np.array([s[1] for s in batch]).astype("int64")
-            loss = F.cross_entropy(model(paddle.to_tensor(x)), paddle.to_tensor(y))
-            loss.backward()
-            opt.step()
-            opt.clear_grad()
-            if clock.tick():
-                return
+    train(model, optimizer(model), tensors(), clock.tick)
 
 
 def run_torch(args, clock: Windows) -> None:
@@ -172,13 +154,8 @@ def run_torch(args, clock: Windows) -> None:
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         tdist.init_process_group("gloo")
-    per_worker = args.batch // world
-    images, labels = read_train(args.data_dir)
-    batches = []
-    for k in range(8):
-        lo = (k * world + rank) * per_worker
-        x = ((images[lo : lo + per_worker].astype("float32") / 255 - MEAN) / STD)[:, None]
-        batches.append((torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(labels[lo : lo + per_worker])))
+    batches = shard_batches(read_train(args.data_dir), args.batch // world, rank, world)
+    batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(1, 20, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
@@ -186,7 +163,9 @@ def run_torch(args, clock: Windows) -> None:
         nn.Flatten(), nn.Linear(20 * 7 * 7, 10),
     )  # fmt: skip
     model = nn.parallel.DistributedDataParallel(net) if world > 1 else net
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=DEFAULTS.lr, momentum=DEFAULTS.momentum, weight_decay=DEFAULTS.weight_decay
+    )
     step = 0
     while True:
         x, y = batches[step % len(batches)]

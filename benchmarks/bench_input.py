@@ -1,7 +1,7 @@
 """Input pipeline alone (images/s, with and without augmentation) next to the training rate of the same setup, one run.
 
-    python scripts/bench_input.py                       # CIFAR-10, 2 workers, global batch 128
-    python scripts/bench_input.py --dataset fashion-mnist --workers 1
+    python -m benchmarks.bench_input                    # CIFAR-10, 2 workers, global batch 128
+    python -m benchmarks.bench_input --dataset fashion-mnist --workers 1
 
 CIFAR-10 comes from data/cifar10 (or --data-dir) when it is there; otherwise a full-size archive in the real
 format (50,000 + 10,000 random images, the real member names and pickle layout) is generated in a temporary
@@ -26,13 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from paddle_mnist import augment, data, engine, formats, models, plots
+from paddle_mnist.config import AUGMENTED_BY_DEFAULT, DATASETS, PER_WORKER_BATCH, Config
+from paddle_mnist.distributed import DistEnv
+from paddle_mnist.log import memory_mb
 
-from paddle_mnist import augment, data, engine  # noqa: E402
-from paddle_mnist.config import AUGMENTED_BY_DEFAULT, DATASETS, PER_WORKER_BATCH, Config  # noqa: E402
-from paddle_mnist.distributed import DistEnv  # noqa: E402
-from paddle_mnist.log import memory_mb  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 
 def generate_cifar_archive(path: Path, n_train: int = 50_000, n_test: int = 10_000) -> None:
@@ -44,13 +43,17 @@ def generate_cifar_archive(path: Path, n_train: int = 50_000, n_test: int = 10_0
         pixels = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
         return pickle.dumps({b"batch_label": label.encode(), b"labels": labels, b"data": pixels}, protocol=2)
 
-    members = {f"data_batch_{i}": lambda i=i: batch(n_train // 5, f"training batch {i} of 5") for i in range(1, 6)}
-    members["test_batch"] = lambda: batch(n_test, "testing batch 1 of 1")
-    members["batches.meta"] = lambda: pickle.dumps({b"label_names": [f"class{i}".encode() for i in range(10)]}, 2)
+    parts = len(formats.CIFAR_TRAIN)
+    members = {
+        name: lambda i=i: batch(n_train // parts, f"training batch {i} of {parts}")
+        for i, name in enumerate(formats.CIFAR_TRAIN, 1)
+    }
+    members[formats.CIFAR_TEST] = lambda: batch(n_test, "testing batch 1 of 1")
+    members[formats.CIFAR_META] = lambda: pickle.dumps({b"label_names": [f"class{i}".encode() for i in range(10)]}, 2)
     with tarfile.open(path, "w:gz", compresslevel=1) as tar:
         for name, make in members.items():
             payload = make()
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info = tarfile.TarInfo(f"{formats.CIFAR_FOLDER}/{name}")
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
 
@@ -84,7 +87,7 @@ def train_rate(args, data_dir: str, out: Path, augmented: bool) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"the training run failed (exit {proc.returncode}): see {out / 'log'}\n{proc.stderr[-2000:]}")
-    row = json.loads((out / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    row = plots.read_metrics(out / "run" / plots.METRICS_FILE)[-1]
     peaks = []
     for rank in range(args.workers):
         text = (out / "log" / f"workerlog.{rank}").read_text()
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--data-dir", help="the dataset's folder or file (default: data/<dataset>, else generated)")
-    p.add_argument("--model", default="mnist_cnn", help="model for the training rate")
+    p.add_argument("--model", default=Config().model, choices=list(models.MODELS), help="model for the training rate")
     p.add_argument("--workers", type=int, default=2, help="workers for the training run")
     p.add_argument("--batch-size", type=int, default=0, help=f"global batch (0: {PER_WORKER_BATCH} x workers)")
     p.add_argument("--seconds", type=float, default=5.0, help="time per pipeline measurement")

@@ -1,14 +1,15 @@
-"""Measure training speed (MNIST CNN, bare loop on in-memory tensors) under CPU thread settings.
+"""Measure training speed (MNIST CNN, the plain loop on in-memory tensors) under CPU thread settings.
 
 Each setting runs in its own fresh process, one after another, so they compare side by side in one run:
 
-    python scripts/bench_threads.py --threads 1 2 --onednn 0 1 --steps 60
-    python scripts/bench_threads.py --procs 2 --threads 1 2 --onednn 0   # two local workers side by side
+    python -m benchmarks.bench_threads --threads 1 2 --onednn 0 1 --steps 60
+    python -m benchmarks.bench_threads --procs 2 --threads 1 2 --onednn 0   # two local workers side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -16,32 +17,30 @@ import sys
 import time
 from pathlib import Path
 
+from paddle_mnist.config import PER_WORKER_BATCH
+
 REPO = Path(__file__).resolve().parent.parent
+WARMUP = 10  # steps before the clock starts
 
 
 def measure(threads: int, batch: int, steps: int) -> float:
+    """In the child process: Paddle is imported here, after the parent set its thread variables."""
     import numpy as np
     import paddle
-    import paddle.nn.functional as F
 
-    sys.path.insert(0, str(REPO))
+    from benchmarks import plain_loop
     from paddle_mnist.models import MnistCNN
 
     paddle.base.core.set_num_threads(threads)
     paddle.seed(0)
     model = MnistCNN()
-    opt = paddle.optimizer.Momentum(learning_rate=0.01, momentum=0.9, parameters=model.parameters())
-    x = paddle.to_tensor(np.random.RandomState(0).randn(batch, 1, 28, 28).astype("float32"))
+    opt = plain_loop.optimizer(model)
+    x = paddle.to_tensor(np.random.RandomState(0).randn(batch, *plain_loop.MNIST_SHAPE).astype("float32"))
     y = paddle.to_tensor(np.random.RandomState(1).randint(0, 10, batch).astype("int64"))
-    warmup = 10
-    for i in range(warmup + steps):
-        if i == warmup:
-            start = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.clear_grad()
-    float(loss)
+    plain_loop.train(model, opt, itertools.repeat((x, y), WARMUP))
+    start = time.perf_counter()
+    loss = plain_loop.train(model, opt, itertools.repeat((x, y), steps))
+    float(loss)  # wait for the last step's kernels
     return batch * steps / (time.perf_counter() - start)
 
 
@@ -49,8 +48,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to try")
     p.add_argument("--onednn", type=int, nargs="+", default=[0, 1], help="FLAGS_use_mkldnn values to try")
-    p.add_argument("--batch", type=int, default=64, help="per-worker batch")
-    p.add_argument("--steps", type=int, default=60, help="timed steps after 10 warm-up steps")
+    p.add_argument("--batch", type=int, default=PER_WORKER_BATCH, help="per-worker batch")
+    p.add_argument("--steps", type=int, default=60, help=f"timed steps after {WARMUP} warm-up steps")
     p.add_argument(
         "--procs", type=int, nargs="+", default=[1], help="processes running at once, as local workers do (summed)"
     )
@@ -63,8 +62,9 @@ def main() -> int:
     for procs in args.procs:
         for onednn in args.onednn:
             for threads in args.threads:
-                env = dict(os.environ, FLAGS_use_mkldnn=str(onednn), OMP_NUM_THREADS=str(threads))
-                cmd = [sys.executable, __file__, "--child", str(threads), str(args.batch), str(args.steps)]
+                env = dict(os.environ, FLAGS_use_mkldnn=str(onednn), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
+                cmd = [sys.executable, "-m", "benchmarks.bench_threads", "--child", str(threads)]
+                cmd += [str(args.batch), str(args.steps)]
                 running = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
                 outs = [proc.communicate()[0] for proc in running]
                 if any(proc.returncode for proc in running):

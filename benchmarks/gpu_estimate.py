@@ -2,8 +2,8 @@
 
 Nothing runs on a GPU; the hardware figures below are assumptions, explained in docs/performance.md.
 
-    python scripts/gpu_estimate.py           # tables
-    python scripts/gpu_estimate.py --json    # the same figures as JSON
+    python -m benchmarks.gpu_estimate           # tables
+    python -m benchmarks.gpu_estimate --json    # the same figures as JSON
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import paddle
 from paddle import nn
 from paddle.base import core
 
+from benchmarks.plain_loop import image_shape
+from paddle_mnist.config import PER_WORKER_BATCH
+from paddle_mnist.models import build_model, count_parameters
+
 Costs = list[tuple[int, list[str]]]  # per layer, in forward call order: (multiply-adds per image, its parameter names)
 Buckets = list[list[tuple[str, int]]]  # in all-reduce order: [(parameter name, gradient bytes), ...]
 
-REPO = Path(__file__).resolve().parent.parent
-MODELS = {"mnist_cnn": (1, 28, 28), "minigooglenet": (3, 32, 32), "cifar_cnn": (3, 32, 32)}
-BATCH = 64  # per GPU
+BATCH = PER_WORKER_BATCH  # per GPU: the trainer's default
 GRAD_BYTES = 4  # fp32 gradients: parameters stay fp32 under the trainer's --amp (auto_cast level O1)
 GPUS = (4, 8)
 MIB = 1024 * 1024  # DataParallel's "MB" is int(size * 1024 * 1024) bytes
@@ -51,6 +52,7 @@ LINKS = (
 PADDLE_US_PER_BUCKET = 10.0  # Paddle's reducer per bucket: concat into one buffer, scale by 1/N, split back
 HOST_US_PER_OP = 10.0  # eager dispatch + CUDA launch per op (5-7 us measured for tiny CPU ops here, plus launch)
 OPS_PER_STEP = {"mnist_cnn": 47, "minigooglenet": 389, "cifar_cnn": 87}  # paddle.profiler, one CPU training step
+MODELS = tuple(OPS_PER_STEP)  # the models estimated: those whose operators per step were counted
 TUTORIAL = {"epoch_s_1gpu": 63.0, "epoch_s_4gpu": 16.0, "train_images": 50_000}
 H100_TFLOPS = 20.0
 BUFFERS = ((25, 1.0), (2, 1.0), (25, 0.25), (4, 0.25), (2, 0.25), (1, 0.25), (2, 0.1))  # (comm, last) MB
@@ -117,9 +119,7 @@ def exposed_comm_s(costs: Costs, groups: Buckets, backward_s: float, gpus: int, 
 
 
 def estimate(name: str, rates: list[Rate]) -> dict:
-    from paddle_mnist.models import build_model, count_parameters
-
-    shape = MODELS[name]
+    shape = image_shape(name)
     model = build_model(name, 10, shape)
     costs = layer_costs(model, shape)
     macs = sum(m for m, _ in costs)
@@ -168,10 +168,9 @@ def estimate(name: str, rates: list[Rate]) -> dict:
 
 def tutorial_rate() -> Rate:
     """The tutorial GPU's achieved FLOP/s: MiniGoogLeNet's training FLOPs per image x its images per second."""
-    from paddle_mnist.models import build_model
-
     images_s = TUTORIAL["train_images"] / TUTORIAL["epoch_s_1gpu"]
-    macs = sum(m for m, _ in layer_costs(build_model("minigooglenet", 10, (3, 32, 32)), (3, 32, 32)))
+    shape = image_shape("minigooglenet")
+    macs = sum(m for m, _ in layer_costs(build_model("minigooglenet", 10, shape), shape))
     return Rate("tutorial GPU", images_s * 3 * 2 * macs / 1e12, ("minigooglenet",))
 
 
@@ -213,7 +212,6 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = p.parse_args()
-    sys.path.insert(0, str(REPO))
     rates = [tutorial_rate(), Rate("H100 assumed", H100_TFLOPS, tuple(MODELS))]
     results = [estimate(name, rates) for name in MODELS]
     if args.json:

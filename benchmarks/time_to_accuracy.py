@@ -1,6 +1,6 @@
 """Time to accuracy: run one training recipe for several seeds and report when each reached the target.
 
-    python scripts/time_to_accuracy.py --target 0.91 --seeds 1 2 3 -- --model mnist_cnn_bn --epochs 8
+    python -m benchmarks.time_to_accuracy --target 0.91 --seeds 1 2 3 -- --model mnist_cnn_bn --epochs 8
 
 Everything after `--` is passed to train.py as it is. Each seed runs on its own, one after another, the way a user
 starts it (python -m paddle.distributed.launch --nproc_per_node W, or python train.py for one worker), into a
@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from paddle_mnist import plots
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -35,7 +37,7 @@ def run_seed(args, seed: int, work: Path) -> dict:
     if proc.returncode != 0:
         tail = proc.stdout[-2000:] + proc.stderr[-2000:]
         sys.exit(f"seed {seed} failed (exit {proc.returncode}); logs in {log_dir}\n{tail}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = plots.read_metrics(out / plots.METRICS_FILE)
     hit = next((r for r in rows if r["val_acc"] >= args.target), None)
     result = json.loads((out / "results.json").read_text())
     return {

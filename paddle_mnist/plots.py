@@ -7,6 +7,9 @@ import os
 import sys
 from pathlib import Path
 
+METRICS_FILE = "metrics.jsonl"  # one JSON row per epoch, written by the trainer's rank 0
+CURVES_FILE = "curves.png"
+
 
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -50,12 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m paddle_mnist.plots OUTPUT_DIR", file=sys.stderr)
         return 2
     folder = Path(args[0])
-    metrics = folder / "metrics.jsonl"
+    metrics = folder / METRICS_FILE
     if not metrics.is_file():
         print(f"error: {metrics} not found; pass the --output-dir of a run", file=sys.stderr)
         return 1
-    plot_curves(metrics, folder / "curves.png")
-    print(folder / "curves.png")
+    plot_curves(metrics, folder / CURVES_FILE)
+    print(folder / CURVES_FILE)
     return 0
 
 

@@ -9,12 +9,15 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
+
+from paddle_mnist import plots
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "train.py"
@@ -53,6 +56,29 @@ def make_dataset(folder: Path, n_train: int = 512, n_test: int = 201, compress: 
         lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in written]
         (folder / "SHA256SUMS").write_text("".join(lines))
     return folder
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on: free a moment ago, so it can be bound (or a connection to it refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(out: Path) -> list[dict]:
+    """The rows of a run's metrics.jsonl, one per epoch, read as the plotting module reads them."""
+    return plots.read_metrics(Path(out) / plots.METRICS_FILE)
+
+
+def read_results(out: Path) -> dict:
+    return json.loads((Path(out) / "results.json").read_text())
+
+
+def weights(path: Path) -> dict[str, np.ndarray]:
+    """A saved state dict (model.pdparams, model_best.pdparams) as numpy arrays, to compare runs."""
+    import paddle  # here, not at the top: most helpers serve tests that never start Paddle in this process
+
+    return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
 
 
 def launch_env() -> dict:

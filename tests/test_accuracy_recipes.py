@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import paddle
 import pytest
-from helpers import explain, launch_env, make_dataset, run_single
+from helpers import explain, launch_env, make_dataset, read_metrics, read_results, run_single
 
 from paddle_mnist import checkpoint, config, data
 from paddle_mnist.distributed import DistEnv
@@ -24,10 +24,6 @@ ONE = DistEnv(0, 1, 0, 1, "none", "cpu")
 def fashion_dir(tmp_path_factory):
     """Synthetic images in Fashion-MNIST's files, so the Fashion-MNIST rules (flips) apply."""
     return make_dataset(tmp_path_factory.mktemp("data") / "fashion-mnist", n_train=512, n_test=64)
-
-
-def rows(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_ema_decay_ramps_up_then_holds():
@@ -64,8 +60,8 @@ def test_ema_run_evaluates_saves_and_checkpoints_the_average(fashion_dir, tmp_pa
     net.set_state_dict(saved)
     ds = data.load_dataset("fashion-mnist", str(fashion_dir))
     again = evaluate(net, ds.test, ds, config.Config(), ONE)
-    result = json.loads((out / "results.json").read_text())
-    assert again.acc == result["test_acc"] == rows(out)[-1]["val_acc"]
+    result = read_results(out)
+    assert again.acc == result["test_acc"] == read_metrics(out)[-1]["val_acc"]
 
 
 def test_tta_is_refused_for_digits():
@@ -93,15 +89,15 @@ def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(fashion
     args = ["--data-dir", str(fashion_dir), "--epochs", "4", "--batch-size", "64", "--log-every", "0"]
     full = run_single([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path)
     assert full.returncode == 0, explain(full)
-    accs = [r["val_acc"] for r in rows(tmp_path / "full")]
+    accs = [r["val_acc"] for r in read_metrics(tmp_path / "full")]
     target = accs[1]  # reached first at epoch 2 or earlier; the run must stop at the first epoch that reaches it
     first = next(i for i, a in enumerate(accs) if a >= target) + 1
     assert first < 4, accs
     stop = run_single([*args, "--target-acc", str(target), "--output-dir", str(tmp_path / "stop")], cwd=tmp_path)
     assert stop.returncode == 0, explain(stop)
-    assert [r["epoch"] for r in rows(tmp_path / "stop")] == list(range(1, first + 1))
+    assert [r["epoch"] for r in read_metrics(tmp_path / "stop")] == list(range(1, first + 1))
     assert f"reached --target-acc {target:g}" in stop.stdout
-    result = json.loads((tmp_path / "stop" / "results.json").read_text())
+    result = read_results(tmp_path / "stop")
     assert result["test_acc"] == accs[first - 1]
     assert (tmp_path / "stop" / "model.pdparams").is_file() and (tmp_path / "stop" / "inference_meta.json").is_file()
 
@@ -111,8 +107,8 @@ def test_metrics_rows_carry_seconds_since_the_command_started(fashion_dir, tmp_p
     args = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64", "--log-every", "0"]
     proc = run_single([*args, "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
-    times = [r["time_s"] for r in rows(tmp_path / "o")]
-    epochs = [r["epoch_time_s"] for r in rows(tmp_path / "o")]
+    times = [r["time_s"] for r in read_metrics(tmp_path / "o")]
+    epochs = [r["epoch_time_s"] for r in read_metrics(tmp_path / "o")]
     assert times[0] > epochs[0] > 0  # the clock started before the data was loaded and the first epoch ran
     assert times[1] - times[0] >= epochs[1]
 
@@ -128,11 +124,8 @@ def test_time_to_accuracy_script_reports_every_seed(fashion_dir, tmp_path):
     report = json.loads((tmp_path / "t.json").read_text())
     assert [r["seed"] for r in report["runs"]] == [1, 2]
     for r in report["runs"]:
-        metrics = rows(tmp_path / "runs" / f"seed{r['seed']}")
+        metrics = read_metrics(tmp_path / "runs" / f"seed{r['seed']}")
         first = next(m for m in metrics if m["val_acc"] >= 0.2)
         assert r["time_to_target_s"] == first["time_s"] and r["epoch_at_target"] == first["epoch"]
-        assert (
-            r["final_acc"]
-            == json.loads((tmp_path / "runs" / f"seed{r['seed']}" / "results.json").read_text())["test_acc"]
-        )
+        assert r["final_acc"] == read_results(tmp_path / "runs" / f"seed{r['seed']}")["test_acc"]
     assert "reached 0.2 in 2 of 2 runs" in proc.stdout

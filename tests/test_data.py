@@ -18,6 +18,8 @@ from helpers import (
     make_colour_images,
     make_images,
     mnist_json_tree,
+    read_metrics,
+    read_results,
     run_launch,
     run_single,
     worker_log,
@@ -341,10 +343,10 @@ def test_two_workers_train_on_a_cifar10_archive(tmp_path):
     args = [*TINY, "--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--output-dir", str(tmp_path / "o")]
     proc = run_launch(args, cwd=tmp_path, log_dir=tmp_path / "log")
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
-    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "o")
     assert [r["val_count"] for r in rows] == [50, 50] and rows[-1]["step"] == 4  # 320 images / 128 per step
     assert all(0 <= r["input_wait_share"] < 1 for r in rows)
-    result = json.loads((tmp_path / "o" / "results.json").read_text())
+    result = read_results(tmp_path / "o")
     assert result["test_count"] == 50 and result["peak_rss_mb"] > 0
     for rank in (0, 1):
         text = worker_log(tmp_path / "log", rank)
@@ -359,9 +361,9 @@ def test_mnist_json_validates_on_valid_and_tests_on_eval(tmp_path):
     args = [*TINY, "--dataset", "mnist-json", "--data-dir", str(tmp_path / "j"), "--output-dir", str(tmp_path / "o")]
     proc = run_single(args, cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
-    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_metrics(tmp_path / "o")
     assert [r["val_count"] for r in rows] == [40, 40]
-    assert json.loads((tmp_path / "o" / "results.json").read_text())["test_count"] == 30
+    assert read_results(tmp_path / "o")["test_count"] == 30
     assert "validation 40 of 40, test 30 of 30" in proc.stdout
 
 

@@ -7,7 +7,6 @@ import gzip
 import hashlib
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import explain, launch_env, make_dataset, make_images, write_idx
+from helpers import explain, free_port, launch_env, make_dataset, make_images, write_idx
 
 from paddle_mnist.data import CIFAR_ARCHIVE, MNIST_JSON, REPO_DATA
 from paddle_mnist.download import IDX_NAMES as IDX
@@ -76,11 +75,8 @@ def server(tmp_path):
 
 
 def closed_port_url() -> str:
-    """A loopback URL nothing listens on: the port was free a moment ago, so the connection is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    """A loopback URL nothing listens on, so the connection is refused."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

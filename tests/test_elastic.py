@@ -18,16 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
-from test_recovery import ARGS, kill_rank_1_in_epoch_2, weights
+from helpers import TRAIN_PY, explain, free_port, launch_env, make_dataset, run_launch, weights, worker_log
+from test_recovery import ARGS, kill_rank_1_in_epoch_2
 
 pytestmark = [pytest.mark.elastic, pytest.mark.slow]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 
 import numpy as np
 import paddle
 import pytest
-from helpers import explain, make_dataset, param_digest, run_launch, run_single, worker_log
+from helpers import (
+    explain,
+    free_port,
+    make_dataset,
+    param_digest,
+    read_metrics,
+    read_results,
+    run_launch,
+    run_single,
+    weights,
+    worker_log,
+)
 
 from paddle_mnist import data
 from paddle_mnist.config import Config
@@ -25,14 +35,6 @@ SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "-
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=201)
-
-
-def read_metrics(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def load_weights(path):
-    return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +55,8 @@ def test_every_rank_ends_with_identical_parameters(one_and_two):
 
 
 def test_two_workers_equal_one_process_with_the_same_global_batch(one_and_two):
-    one = load_weights(one_and_two / "one" / "model.pdparams")
-    two = load_weights(one_and_two / "two" / "model.pdparams")
+    one = weights(one_and_two / "one" / "model.pdparams")
+    two = weights(one_and_two / "two" / "model.pdparams")
     assert one.keys() == two.keys() and len(one) == 6
     for name in one:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0, err_msg=name)
@@ -91,7 +93,7 @@ def test_distributed_evaluation_counts_each_image_once(one_and_two, dataset):
     """201 test images over 2 workers (101 + 100): the reported totals equal a one-process evaluation."""
     out = one_and_two / "two"
     assert all(r["val_count"] == 201 for r in read_metrics(out))
-    reported = json.loads((out / "results.json").read_text())
+    reported = read_results(out)
     assert reported["test_count"] == 201
 
     model = MnistCNN()  # a bare model, no DataParallel: the saved keys carry no _layers. prefix
@@ -125,7 +127,7 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(dataset, tmp_path, model):
     assert again.returncode == 0, explain(again, tmp_path / "l3")
     assert "resumed from" in worker_log(tmp_path / "l3", 1)
 
-    a, b = load_weights(tmp_path / "full" / "model.pdparams"), load_weights(tmp_path / "part" / "model.pdparams")
+    a, b = weights(tmp_path / "full" / "model.pdparams"), weights(tmp_path / "part" / "model.pdparams")
     for name in a:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
     full_rows, resumed_rows = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
@@ -177,9 +179,7 @@ def test_gpu_flags_on_a_cpu_build_are_refused(dataset, tmp_path):
 
 def test_two_nodes_on_loopback_equal_one_process(one_and_two, dataset, tmp_path):
     """Two launchers (--nnodes 2, one worker each) meeting on 127.0.0.1 train the same weights as one process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2"]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [
@@ -198,8 +198,8 @@ def test_two_nodes_on_loopback_equal_one_process(one_and_two, dataset, tmp_path)
     logs = [worker_log(tmp_path / f"log{node}", 0) for node in (0, 1)]  # each node numbers its own logs
     assert "rank 1 of world size 2 (local rank 0 of 1)" in logs[1]
     assert param_digest(logs[0]) == param_digest(logs[1])
-    one = load_weights(one_and_two / "one" / "model.pdparams")
-    two = load_weights(tmp_path / "node0" / "model.pdparams")
+    one = weights(one_and_two / "one" / "model.pdparams")
+    two = weights(tmp_path / "node0" / "model.pdparams")
     for name in one:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0, err_msg=name)
     assert not (tmp_path / "node1").exists()  # only global rank 0 writes
@@ -214,8 +214,8 @@ def test_timed_steps_average_gradients_like_data_parallel(one_and_two, dataset, 
     args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2", "--timing-every", "1"]
     proc = run_launch([*args, "--output-dir", str(tmp_path / "timed")], cwd=tmp_path, log_dir=tmp_path / "log")
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
-    untimed = load_weights(one_and_two / "two" / "model.pdparams")
-    timed = load_weights(tmp_path / "timed" / "model.pdparams")
+    untimed = weights(one_and_two / "two" / "model.pdparams")
+    timed = weights(tmp_path / "timed" / "model.pdparams")
     for name in untimed:
         np.testing.assert_allclose(timed[name], untimed[name], atol=1e-6, rtol=0, err_msg=name)
     for rank in (0, 1):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, worker_log
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, weights, worker_log
 
 from paddle_mnist import checkpoint
 from paddle_mnist.logs import summarise
 
-pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
+pytestmark = pytest.mark.slow  # each test starts the trainer under the launcher and stops it with a signal
 
 ARGS = ["--dataset", "mnist", "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
 # 64 steps an epoch: the ranks meet about every 0.25 s, so a signal early in the epoch stops it mid-epoch
@@ -25,10 +25,6 @@ ARGS += ["--log-every", "4", "--eval-limit", "100"]
 STOP_LINE = re.compile(
     r"stopped by (SIG\w+) at step (\d+) \(([^)]*)\); checkpoint (\S+); continue with: (.*--resume auto)$", re.M
 )
-
-
-def weights(path: Path) -> dict:
-    return {k: v.numpy() for k, v in checkpoint.load(path).items()}
 
 
 def launch(args: list[str], log_dir: Path, cwd: Path) -> subprocess.Popen:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import paddle
 import pytest
@@ -12,8 +10,10 @@ from helpers import (
     explain,
     make_dataset,
     param_digest,
+    read_results,
     run_launch,
     run_single,
+    weights,
     worker_log,
     write_cifar_archive,
 )
@@ -124,14 +124,13 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     two = run_launch([*args, "--accum-steps", "3", "--output-dir", str(tmp_path / "two")], tmp_path, tmp_path / "log")
     assert two.returncode == 0, explain(two, tmp_path / "log")
     assert "batch: 48 per worker (3 micro-batches of 16), 96 global" in worker_log(tmp_path / "log", 1)
-    a = paddle.load(str(tmp_path / "one" / "model.pdparams"))
-    b = paddle.load(str(tmp_path / "two" / "model.pdparams"))
+    a, b = weights(tmp_path / "one" / "model.pdparams"), weights(tmp_path / "two" / "model.pdparams")
     # MKL's AVX2 kernels (which the trainer turns on for AMD processors) group a GEMM's sums by the batch's
     # shape, so micro-batches of 16 and batches of 96 round differently: over these 20 steps the weights drift
     # apart by up to 3e-4. A loss not divided by the micro-batches moves them by 0.1 (tried), 100 times more.
     for name in a:
-        np.testing.assert_allclose(b[name].numpy(), a[name].numpy(), atol=1e-3, rtol=0, err_msg=name)
-    assert not np.allclose(a["fc.weight"].numpy(), 0)
+        np.testing.assert_allclose(b[name], a[name], atol=1e-3, rtol=0, err_msg=name)
+    assert not np.allclose(a["fc.weight"], 0)
 
 
 @pytest.mark.slow
@@ -195,14 +194,28 @@ def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
     assert f"model {model}: {count} trained parameters" in logs[0]  # rank 0's summary
     assert f"model {model}: {count} parameters" in logs[1]
     assert "epoch 1 step 3/3" in logs[1]
-    result = json.loads((tmp_path / "o" / "results.json").read_text())
+    result = read_results(tmp_path / "o")
     assert result["steps"] == 3 and result["test_count"] == 8
 
 
 @pytest.mark.slow
-def test_bf16_runs_on_cpu(mnist_dir, tmp_path):
+def test_amp_bf16_is_accepted_on_cpu_and_trains_to_the_end(mnist_dir, tmp_path):
+    """The flag, end to end; whether bfloat16 arithmetic happens is the next test's question."""
     args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "bf16", "--max-steps", "3", "--epochs", "1"]
     proc = run_single([*args, "--log-every", "1", "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert "amp bf16" in proc.stdout
-    assert json.loads((tmp_path / "o" / "results.json").read_text())["steps"] == 3
+    assert read_results(tmp_path / "o")["steps"] == 3
+
+
+def test_amp_bf16_on_cpu_computes_in_float32():
+    """What the README says of --amp bf16 on CPU: inside the trainer's auto_cast the network still computes in
+    float32 (Paddle leaves AMP off on CPU). A Paddle that does compute in bfloat16 here fails this test: then
+    the README's Mixed precision paragraph needs its figures measured again."""
+    paddle.set_device("cpu")
+    cfg = config.Config(amp="bf16")
+    net = build_model(cfg.model)
+    with engine.amp_context(cfg):
+        logits = net(paddle.randn([4, 1, 28, 28]))
+    assert logits.dtype == paddle.float32
+    assert all(p.dtype == paddle.float32 for p in net.parameters())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -16,20 +15,26 @@ from pathlib import Path
 import numpy as np
 import paddle
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, worker_log
+from helpers import (
+    TRAIN_PY,
+    explain,
+    launch_env,
+    make_dataset,
+    read_results,
+    run_launch,
+    run_single,
+    weights,
+    worker_log,
+)
 
 from paddle_mnist import checkpoint, export
 from paddle_mnist.logs import summarise
 from paddle_mnist.models import MnistCNN
 
-pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
+pytestmark = pytest.mark.slow  # each test starts real trainer processes, and most of them stop or kill one
 
 ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 ARGS += ["--batch-size", "64", "--epochs", "2"]
-
-
-def weights(path: Path) -> dict:
-    return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
 
 
 def steps_of(out: Path) -> list[int]:
@@ -186,7 +191,7 @@ def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_pa
     errors = [line for line in (first.stdout + first.stderr).splitlines() if "error:" in line]
     assert len(errors) == 1 and "exporting the inference model" in errors[0], explain(first)
     assert "nothing else is lost" in errors[0] and "--resume yes" in errors[0]
-    first_results = json.loads((out / "results.json").read_text())
+    first_results = read_results(out)
     assert first_results["steps"] == 4
     trained = MnistCNN()
     trained.set_state_dict(paddle.load(str(out / "model.pdparams")))
@@ -199,7 +204,7 @@ def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_pa
     assert meta["dataset"] == "mnist"
     # results.json is written again; its wall time still counts the first session's training (as far as the
     # last checkpoint; the first session's final save and evaluation came after it and are done again here)
-    again_results = json.loads((out / "results.json").read_text())
+    again_results = read_results(out)
     assert again_results["test_acc"] == first_results["test_acc"]
     trained_s = checkpoint.load(checkpoint.list_checkpoints(out)[-1])["elapsed_s"]
     assert trained_s > 0

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import paddle
 import pytest
-from helpers import explain, make_dataset, run_launch, run_single, worker_log
+from helpers import explain, make_dataset, read_metrics, read_results, run_launch, run_single, weights, worker_log
 
 from paddle_mnist import checkpoint, engine, export, summary
 from paddle_mnist.config import Config, ConfigError, parse_args
@@ -36,14 +36,6 @@ def one_and_two(dataset, tmp_path_factory):
     two = run_launch([*args, "--output-dir", str(root / "two")], cwd=root, log_dir=root / "log")
     assert two.returncode == 0, explain(two, root / "log")
     return root
-
-
-def metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def weights(path) -> dict:
-    return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
 
 
 def test_clipping_scales_the_step_to_the_norm_and_reports_the_norm_before():
@@ -74,7 +66,7 @@ def test_clipped_two_workers_equal_one_process_and_log_how_often(one_and_two):
     one, two = weights(one_and_two / "one" / "model.pdparams"), weights(one_and_two / "two" / "model.pdparams")
     for name in one:
         np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0, err_msg=name)
-    rows = metrics(one_and_two / "two")
+    rows = read_metrics(one_and_two / "two")
     assert [r["clipped_share"] for r in rows] == [1.0, 1.0]
     assert all(r["grad_norm"] > CLIP for r in rows)
     for text in (worker_log(one_and_two / "log", 0), worker_log(one_and_two / "log", 1)):
@@ -85,8 +77,8 @@ def test_clipped_two_workers_equal_one_process_and_log_how_often(one_and_two):
 @pytest.mark.slow
 def test_best_epoch_is_kept_and_exported(one_and_two):
     out = one_and_two / "two"
-    rows = metrics(out)
-    results = json.loads((out / "results.json").read_text())
+    rows = read_metrics(out)
+    results = read_results(out)
     first_best = max(range(len(rows)), key=lambda i: (rows[i]["val_acc"], -i))  # the earliest of equal bests
     assert results["best"] == {
         "epoch": rows[first_best]["epoch"],
@@ -124,8 +116,8 @@ def test_resume_keeps_the_best_so_far(dataset, tmp_path):
     rest = run_single([*args, "--output-dir", str(tmp_path / "part"), "--resume", "auto"], cwd=tmp_path)
     assert rest.returncode == 0, explain(rest)
     assert "] warning:" not in rest.stdout + rest.stderr  # the trainer's own warnings; Paddle's are not ours
-    a = json.loads((tmp_path / "whole" / "results.json").read_text())
-    b = json.loads((tmp_path / "part" / "results.json").read_text())
+    a = read_results(tmp_path / "whole")
+    b = read_results(tmp_path / "part")
     assert a["best"] == b["best"] and a["exported"] == b["exported"] == "last"
     assert checkpoint.digest_state(checkpoint.load(tmp_path / "whole" / "model_best.pdparams")) == (
         checkpoint.digest_state(checkpoint.load(tmp_path / "part" / "model_best.pdparams"))
