@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paddle_mnist import plots
+from paddle_mnist import data, formats, plots
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "train.py"
@@ -48,10 +48,11 @@ def make_images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 def make_dataset(folder: Path, n_train: int = 512, n_test: int = 201, compress: bool = True, checksums: bool = True):
     folder.mkdir(parents=True, exist_ok=True)
     written = []
-    for split, n, seed in (("train", n_train, 1), ("t10k", n_test, 2)):
+    for split, n, seed in (("train", n_train, 1), ("test", n_test, 2)):
         images, labels = make_images(n, seed)
-        written.append(write_idx(folder / f"{split}-images-idx3-ubyte", images, compress))
-        written.append(write_idx(folder / f"{split}-labels-idx1-ubyte", labels, compress))
+        images_name, labels_name = data.IDX_FILES[split]
+        written.append(write_idx(folder / images_name, images, compress))
+        written.append(write_idx(folder / labels_name, labels, compress))
     if checksums:
         lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in written]
         (folder / "SHA256SUMS").write_text("".join(lines))
@@ -147,13 +148,13 @@ CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
 def cifar_members(n_per_batch: int = 64, n_test: int = 50) -> dict[str, bytes]:
     """The archive's members (basename -> bytes): five training batches, the test batch, the meta file."""
     members = {}
-    for i in range(1, 6):
+    for i, name in enumerate(formats.CIFAR_TRAIN, 1):
         images, labels = make_colour_images(n_per_batch, seed=i)
-        members[f"data_batch_{i}"] = cifar_batch_bytes(images, labels, f"training batch {i} of 5")
+        members[name] = cifar_batch_bytes(images, labels, f"training batch {i} of {len(formats.CIFAR_TRAIN)}")
     images, labels = make_colour_images(n_test, seed=99)
-    members["test_batch"] = cifar_batch_bytes(images, labels, "testing batch 1 of 1")
+    members[formats.CIFAR_TEST] = cifar_batch_bytes(images, labels, "testing batch 1 of 1")
     meta = {b"label_names": [c.encode() for c in CIFAR_CLASSES], b"num_cases_per_batch": n_per_batch, b"num_vis": 3072}
-    members["batches.meta"] = pickle.dumps(meta, protocol=2)
+    members[formats.CIFAR_META] = pickle.dumps(meta, protocol=2)
     members["readme.html"] = b"<html></html>"
     return members
 
@@ -163,7 +164,7 @@ def write_cifar_archive(path: Path, members: dict[str, bytes]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:gz") as tar:
         for name, payload in members.items():
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info = tarfile.TarInfo(f"{formats.CIFAR_FOLDER}/{name}")
             info.size = len(payload)
             tar.addfile(info, io.BytesIO(payload))
     return path

@@ -30,7 +30,7 @@ from helpers import (
 
 from paddle_mnist import augment, data, formats
 
-ARCHIVE = "cifar-10-python.tar.gz"
+ARCHIVE = data.CIFAR_ARCHIVE
 
 
 # ---- CIFAR-10 ----

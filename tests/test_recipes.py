@@ -18,7 +18,7 @@ from helpers import (
     write_cifar_archive,
 )
 
-from paddle_mnist import config
+from paddle_mnist import config, data, engine
 from paddle_mnist.distributed import DistEnv, convert_sync_bn
 from paddle_mnist.models import MODELS, build_model, count_parameters
 from paddle_mnist.state import make_schedule
@@ -160,7 +160,7 @@ def test_fp16_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path):
 
 @pytest.mark.slow
 def test_sync_bn_on_cpu_workers_is_refused(tmp_path):
-    write_cifar_archive(tmp_path / "c" / "cifar-10-python.tar.gz", cifar_members(n_per_batch=16, n_test=8))
+    write_cifar_archive(tmp_path / "c" / data.CIFAR_ARCHIVE, cifar_members(n_per_batch=16, n_test=8))
     args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", "minigooglenet", "--sync-bn"]
     args += ["--batch-size", "16"]
     proc = run_launch([*args, "--output-dir", str(tmp_path / "o")], tmp_path, tmp_path / "log")
@@ -173,7 +173,7 @@ def test_sync_bn_on_cpu_workers_is_refused(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["minigooglenet", "cifar_cnn"])
 def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
-    write_cifar_archive(tmp_path / "c" / "cifar-10-python.tar.gz", cifar_members(n_per_batch=16, n_test=8))
+    write_cifar_archive(tmp_path / "c" / data.CIFAR_ARCHIVE, cifar_members(n_per_batch=16, n_test=8))
     args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", model, "--batch-size", "16"]
     args += [
         "--max-steps",
