@@ -26,9 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from paddle_mnist import augment, data, engine, formats, models, plots
+from paddle_mnist import data, formats, models, plots
 from paddle_mnist.config import AUGMENTED_BY_DEFAULT, DATASETS, PER_WORKER_BATCH, Config
-from paddle_mnist.distributed import DistEnv
 from paddle_mnist.log import memory_mb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,19 +58,21 @@ def generate_cifar_archive(path: Path, n_train: int = 50_000, n_test: int = 10_0
 
 
 def pipeline_rate(ds: data.Dataset, per_worker: int, world: int, augmented: bool, seconds: float) -> float:
-    """Images/s one worker's input pipeline delivers: sampler, gather, augmentation, normalisation, thread hand-off."""
-    cfg = Config(dataset=ds.name, batch_size=per_worker * world)
-    sampler = engine.make_sampler(len(ds.train), cfg, DistEnv(0, world, 0, world, "gloo", "cpu"))
-    plan = data.AugmentPlan(augment.POLICIES[ds.name], 0, 0, 0) if augmented else None
+    """Images/s one worker's input pipeline delivers: the trainer's data.TrainBatches (sampler slice, gather,
+    augmentation, normalisation, background thread), as rank 0 of `world` workers."""
+    pipeline = data.TrainBatches(ds.train, ds, per_worker, 0, world, Config(dataset=ds.name, augment=augmented))
     images = 0
     start = time.perf_counter()
     epoch = 0
     while time.perf_counter() - start < seconds:
-        sampler.set_epoch(epoch)
-        for x, _ in data.prefetch(data.batches(ds.train, ds, iter(sampler), plan)):
-            images += len(x)
-            if time.perf_counter() - start >= seconds:
-                break
+        batches = pipeline.epoch(epoch, 0, len(pipeline))
+        try:
+            for x, _ in batches:
+                images += len(x)
+                if time.perf_counter() - start >= seconds:
+                    break
+        finally:
+            batches.close()
         epoch += 1
     return images / (time.perf_counter() - start)
 

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +81,28 @@ def weights(path: Path) -> dict[str, np.ndarray]:
     import paddle  # here, not at the top: most helpers serve tests that never start Paddle in this process
 
     return {k: v.numpy() for k, v in paddle.load(str(path)).items()}
+
+
+def rank_pid(out: Path, rank: int) -> int:
+    """The pid of the worker of this rank, among the trainer processes writing to out."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            env = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if str(out) in cmd and str(TRAIN_PY) in cmd and f"PADDLE_TRAINER_ID={rank}" in env:
+            if not {"paddle.distributed.launch", "paddle.distributed.fleet.launch"} & set(cmd):
+                return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} for {out}")
+
+
+def wait_for(job: subprocess.Popen, log: Path, text: str) -> None:
+    """Until log holds text; fails if job ends first or two minutes pass."""
+    deadline = time.time() + 120
+    while not (log.exists() and text in log.read_text(errors="replace")):
+        assert time.time() < deadline and job.poll() is None, f"never saw {text!r} in {log}"
+        time.sleep(0.05)
 
 
 def launch_env() -> dict:

@@ -8,22 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, worker_log
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, wait_for, worker_log
 
 from paddle_mnist.lock import LOCK_NAME, RunLock
 
 ARGS = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--log-every", "1"]
-
-
-def wait_for(path: Path, text: str, job: subprocess.Popen) -> None:
-    deadline = time.time() + 120
-    while not (path.exists() and text in path.read_text()):
-        assert time.time() < deadline and job.poll() is None, f"never saw {text!r} in {path}"
-        time.sleep(0.05)
 
 
 def dead_pid() -> int:
@@ -44,7 +35,7 @@ def test_second_run_into_a_busy_output_dir_is_refused_with_the_holder_then_sigin
             cwd=tmp_path, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        wait_for(first_log, "epoch 1 step 1/8", first)
+        wait_for(first, first_log, "epoch 1 step 1/8")
         holder = json.loads((out / LOCK_NAME).read_text())
         assert holder["pid"] == first.pid and holder["host"] == socket.gethostname()
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, launch_env, make_dataset
+from helpers import TRAIN_PY, launch_env, make_dataset, rank_pid, wait_for
 
 from paddle_mnist.logs import main, summarise
 
@@ -27,32 +27,11 @@ def data_dir(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=2048, n_test=1000)
 
 
-def rank_pid(out: Path, rank: int) -> int:
-    """The pid of the worker of this rank, among the trainer processes writing to out."""
-    for entry in Path("/proc").iterdir():
-        try:
-            cmd = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            env = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if str(out) in cmd and str(TRAIN_PY) in cmd and f"PADDLE_TRAINER_ID={rank}" in env:
-            if not {"paddle.distributed.launch", "paddle.distributed.fleet.launch"} & set(cmd):
-                return int(entry.name)
-    raise AssertionError(f"no worker of rank {rank} for {out}")
-
-
 def start(launcher: list[str], args: list[str], tmp_path: Path) -> subprocess.Popen:
     """The launcher with its own output in tmp_path/launcher.out, as `... > launcher.out 2>&1` would keep it."""
     cmd = [sys.executable, "-m", *launcher, "--log_dir", str(tmp_path / "log"), str(TRAIN_PY), *args]
     with open(tmp_path / "launcher.out", "w") as out:
         return subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait_for(job: subprocess.Popen, log: Path, text: str) -> None:
-    deadline = time.time() + 120
-    while not (log.exists() and text in log.read_text(errors="replace")):
-        assert time.time() < deadline and job.poll() is None, f"never saw {text!r} in {log}"
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager
@@ -76,6 +55,7 @@ def memory_cgroup(limit_mb: int):
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
     """Rank 1 is moved into a 32 MiB memory cgroup while it trains; evaluating 1000 images at once then needs more,
     and the kernel's OOM killer ends it with SIGKILL. Without a writable cgroup (not root, cgroup v2) the test sends
@@ -104,6 +84,7 @@ def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
     assert "MiB of memory" in summary and "fix: confirm with dmesg" in summary, summary
 
 
+@pytest.mark.slow
 def test_port_already_in_use(tmp_path, data_dir):
     """--start_port fixes the workers' ports; the first is rank 0's key-value store, and this test holds it."""
     with socket.socket() as held:
@@ -125,6 +106,7 @@ def test_port_already_in_use(tmp_path, data_dir):
     assert "fix: find who holds it (ss -ltnp | grep PORT)" in summary
 
 
+@pytest.mark.slow
 def test_legacy_launchers_abort_is_followed_to_the_bus_error_of_the_rank_it_names(tmp_path, data_dir):
     """SIGBUS to rank 1 (what a full /dev/shm does): Paddle's handler names it, rank 0 loses its connection, and the
     legacy launcher (paddle.distributed.fleet.launch) prints ABORT!!! naming both ranks; the reader picks rank 1."""
@@ -167,6 +149,7 @@ for batch in paddle.io.DataLoader(Images(), batch_size=8, num_workers=1):
 PADDLE_SIGTERM = "import os, signal, paddle; os.kill(os.getpid(), signal.SIGTERM)"
 
 
+@pytest.mark.slow  # each case starts Python and imports Paddle
 @pytest.mark.parametrize(
     "script, kind, evidence",
     [

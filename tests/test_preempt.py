@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, weights, worker_log
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, rank_pid, run_launch, weights, worker_log
 
 from paddle_mnist import checkpoint
 from paddle_mnist.logs import summarise
@@ -31,20 +31,6 @@ def launch(args: list[str], log_dir: Path, cwd: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir)]
     cmd += [str(TRAIN_PY), *args]
     return subprocess.Popen(cmd, cwd=cwd, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def rank_pid(out: Path, rank: int) -> int:
-    """The pid of the worker of this rank, among the trainer processes writing to out."""
-    for entry in Path("/proc").iterdir():
-        try:
-            cmd = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            env = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if str(out) in cmd and str(TRAIN_PY) in cmd and "paddle.distributed.launch" not in cmd:
-            if f"PADDLE_TRAINER_ID={rank}" in env:
-                return int(entry.name)
-    raise AssertionError(f"no worker of rank {rank} for {out}")
 
 
 def signal_when(job, log: Path, ready: str, not_yet: str = "", sig=signal.SIGTERM, rank: int | None = None) -> float:
