@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, explain, launch_env, make_dataset, run_launch, run_single, worker_log
+from helpers import REPO, explain, free_port, launch_env, make_dataset, read_metrics, run_launch, run_single, worker_log
 from PIL import Image
 from visualdl import LogReader, LogWriter  # not importorskip: CI installs it; missing, these tests fail
 
@@ -28,10 +27,6 @@ SMALL += ["--batch-size", "64"]
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=100)
-
-
-def read_metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def read_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
@@ -63,6 +58,7 @@ def progress_losses(log_text: str) -> list[float]:
     return [float(x) for x in re.findall(r"epoch \d+ step \d+/\d+ loss ([0-9.]+) lr", log_text)]
 
 
+@pytest.mark.slow
 def test_two_workers_rank_0_writes_scalars_equal_to_metrics(dataset, tmp_path):
     out, log_dir = tmp_path / "out", tmp_path / "log"
     args = [*SMALL, "--data-dir", str(dataset), "--epochs", "2", "--output-dir", str(out), "--visualdl"]
@@ -82,6 +78,7 @@ def test_two_workers_rank_0_writes_scalars_equal_to_metrics(dataset, tmp_path):
     assert all(0 <= v <= 1 for _, v in scalars["step/acc"] + scalars["step/input_wait_share"])
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_curves(dataset, tmp_path):
     """Three sessions: stopped mid-epoch by --max-steps 12; resumed to step 20, after which it 'crashes' (its
     checkpoint of step 20 is deleted, as if the process died after writing step 20's scalars and before the
@@ -119,6 +116,7 @@ def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:
 WITHOUT_VISUALDL = "import sys; sys.modules['visualdl'] = None; from paddle_mnist.cli import main; sys.exit(main({}))"
 
 
+@pytest.mark.slow
 def test_without_the_package_the_flag_is_one_line_and_status_2(dataset, tmp_path):
     out = tmp_path / "out"
     args = [*SMALL, "--data-dir", str(dataset), "--epochs", "1", "--output-dir", str(out)]
@@ -153,16 +151,11 @@ def test_keep_to_step_drops_later_scalars_and_a_torn_last_record(tmp_path):
     assert len(reader.get_data("meta_data", "meta_data_tag")) == 1
 
 
+@pytest.mark.slow
 def test_the_flag_is_off_by_default_and_its_module_does_not_import_visualdl():
     code = "import sys; from paddle_mnist import cli; cli.parse_args([]); print('visualdl' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", explain(proc)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str):
@@ -171,6 +164,7 @@ def get_json(url: str):
 
 
 @pytest.mark.browser
+@pytest.mark.slow
 def test_the_dashboard_draws_the_curves_in_a_headless_browser(dataset, tmp_path):
     """VisualDL's own server on 127.0.0.1 serves the run, and Debian's chromium draws its charts (about 30 s)."""
     chromium = shutil.which("chromium")
