@@ -128,7 +128,7 @@ class Dashboard:
         self.add(row["step"], {tag: row[field] for field, tag in EPOCH_TAGS.items()})
 
     def add_progress(self, step: int, scalars: dict[str, float]) -> None:
-        """A progress line's figures (engine.train_one_epoch's), and this process's memory now."""
+        """A progress line's figures (engine.Epoch's), and this process's memory now."""
         self.add(step, {f"{STEP_GROUP}/{k}": v for k, v in {**scalars, "rss_mb": memory_mb()[0]}.items()})
 
     def flush(self) -> None:

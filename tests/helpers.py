@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -105,6 +106,16 @@ def wait_for(job: subprocess.Popen, log: Path, text: str) -> None:
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def reaped(job: subprocess.Popen):
+    """Kill the job if the block leaves it running (a failed assertion, a timeout), so no launcher outlives a test."""
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
 def launch_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -125,6 +136,15 @@ def run_launch(
     cmd = [sys.executable, "-m", "paddle.distributed.launch", *launch_args, "--log_dir", str(log_dir)]
     cmd += [str(TRAIN_PY), *args]
     return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_one_and_two(root: Path, args: list[str]) -> Path:
+    """The same job in one process (root/one) and in two workers (root/two, their logs in root/log)."""
+    one = run_single([*args, "--output-dir", str(root / "one")], cwd=root)
+    assert one.returncode == 0, explain(one)
+    two = run_launch([*args, "--output-dir", str(root / "two")], cwd=root, log_dir=root / "log")
+    assert two.returncode == 0, explain(two, root / "log")
+    return root
 
 
 def worker_log(log_dir: Path, rank: int) -> str:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, launch_env, make_dataset, rank_pid, wait_for
+from helpers import TRAIN_PY, launch_env, make_dataset, rank_pid, reaped, wait_for
 
 from paddle_mnist.logs import main, summarise
 
@@ -64,7 +64,7 @@ def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
     args = [*ARGS, "--data-dir", str(data_dir), "--epochs", "1", "--eval-batch-size", "1000", "--output-dir", str(out)]
     job = start(["paddle.distributed.launch", "--nproc_per_node", "2"], args, tmp_path)
     with memory_cgroup(32) as group:
-        try:
+        with reaped(job):
             wait_for(job, tmp_path / "log" / "workerlog.1", "epoch 1 step 8/32")
             pid = rank_pid(out, 1)
             if group is not None:
@@ -72,9 +72,6 @@ def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
             else:
                 os.kill(pid, signal.SIGKILL)
             assert job.wait(timeout=120) != 0
-        finally:
-            if job.poll() is None:
-                job.kill()
         if group is not None:
             assert "oom_kill 1" in (group / "memory.oom_control").read_text()  # the kernel's killer, not us
     summary = summarise(tmp_path / "log", [tmp_path / "launcher.out"])
@@ -94,11 +91,8 @@ def test_port_already_in_use(tmp_path, data_dir):
         launcher = ["paddle.distributed.launch", "--ips", "127.0.0.1", "--start_port", str(port), "--nproc_per_node"]
         args = [*ARGS, "--data-dir", str(data_dir), "--output-dir", str(tmp_path / "o")]
         job = start([*launcher, "2"], args, tmp_path)
-        try:
+        with reaped(job):
             assert job.wait(timeout=120) != 0
-        finally:
-            if job.poll() is None:
-                job.kill()
     summary = summarise(tmp_path / "log")
     assert "first to stop: rank 0" in summary and "workerlog.0  port in use" in summary, summary
     # Paddle 3.3.1: "create libuv server at port: N" then an abort; 2.6: "Bind network on IP_ANY:N failed"
@@ -113,13 +107,10 @@ def test_legacy_launchers_abort_is_followed_to_the_bus_error_of_the_rank_it_name
     out = tmp_path / "o"
     launcher = ["paddle.distributed.fleet.launch", "--backend", "gloo", "--nproc_per_node", "2"]
     job = start(launcher, [*ARGS, "--data-dir", str(data_dir), "--epochs", "3", "--output-dir", str(out)], tmp_path)
-    try:
+    with reaped(job):
         wait_for(job, tmp_path / "log" / "workerlog.1", "epoch 1 step 8/32")
         os.kill(rank_pid(out, 1), signal.SIGBUS)
         assert job.wait(timeout=120) != 0
-    finally:
-        if job.poll() is None:
-            job.kill()
     assert "ABORT!!!" in (tmp_path / "launcher.out").read_text()
     summary = summarise(tmp_path / "log", [tmp_path / "launcher.out"])
     assert "the launcher: ABORT!!! Out of all 2 trainers, the trainer process with rank=[" in summary, summary

@@ -11,12 +11,11 @@ import pytest
 from helpers import (
     explain,
     free_port,
-    make_dataset,
     param_digest,
     read_metrics,
     read_results,
     run_launch,
-    run_single,
+    run_one_and_two,
     weights,
     worker_log,
 )
@@ -33,20 +32,11 @@ SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "-
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=201)
-
-
-@pytest.fixture(scope="module")
 def one_and_two(dataset, tmp_path_factory):
     """The same job, global batch 64 for 2 epochs (16 steps), in one process and in two workers."""
     root = tmp_path_factory.mktemp("runs")
     args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2"]
-    one = run_single([*args, "--output-dir", str(root / "one")], cwd=root)
-    assert one.returncode == 0, explain(one)
-    two = run_launch([*args, "--output-dir", str(root / "two")], cwd=root, log_dir=root / "log")
-    assert two.returncode == 0, explain(two, root / "log")
-    return root
+    return run_one_and_two(root, args)
 
 
 def test_every_rank_ends_with_identical_parameters(one_and_two):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, rank_pid, run_launch, weights, worker_log
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, rank_pid, reaped, run_launch, weights, worker_log
 
 from paddle_mnist import checkpoint
 from paddle_mnist.logs import summarise
@@ -145,7 +145,7 @@ def test_repeats_within_two_seconds_are_one_request_and_a_later_signal_ends_at_o
     (SAME_REQUEST_S). A signal after that ends the process at once with 128 + its number, even while the trainer
     is busy stopping."""
     job = subprocess.Popen([sys.executable, "-c", STOPPING], env=launch_env(), stdout=subprocess.PIPE, text=True)
-    try:
+    with reaped(job):
         assert job.stdout.readline().strip() == "ready"
         for _ in range(3):
             job.send_signal(signal.SIGTERM)
@@ -159,6 +159,3 @@ def test_repeats_within_two_seconds_are_one_request_and_a_later_signal_ends_at_o
         job.send_signal(signal.SIGINT)
         assert job.wait(timeout=10) == 128 + signal.SIGINT
         assert time.time() - sent < 2
-    finally:
-        if job.poll() is None:
-            job.kill()

@@ -21,6 +21,7 @@ from helpers import (
     launch_env,
     make_dataset,
     read_results,
+    reaped,
     run_launch,
     run_single,
     weights,
@@ -89,12 +90,9 @@ def test_killed_worker_then_resume_auto_equals_uninterrupted(tmp_path):
     ]
     cmd += [str(TRAIN_PY), *args, "--output-dir", str(out)]
     job = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with reaped(job):
         kill_rank_1_in_epoch_2(job, out)
         assert job.wait(timeout=120) != 0
-    finally:
-        if job.poll() is None:
-            job.kill()
     summary = summarise(tmp_path / "l1")
     assert "first to stop: rank 1" in summary and "ended without an error message" in summary, summary
     killed_at = steps_of(out)[-1]

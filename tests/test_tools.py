@@ -9,7 +9,15 @@ import re
 import numpy as np
 import paddle
 import pytest
-from helpers import explain, make_dataset, read_metrics, read_results, run_launch, run_single, weights, worker_log
+from helpers import (
+    explain,
+    read_metrics,
+    read_results,
+    run_one_and_two,
+    run_single,
+    weights,
+    worker_log,
+)
 
 from paddle_mnist import checkpoint, engine, export, summary
 from paddle_mnist.config import Config, ConfigError, parse_args
@@ -21,21 +29,12 @@ CLIP = 0.5  # below the gradient norms of the first epochs here, so every step c
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=512, n_test=201)
-
-
-@pytest.fixture(scope="module")
 def one_and_two(dataset, tmp_path_factory):
     """One job, 2 epochs of 8 steps, in one process and in two workers: clipping, profiling, exporting the best."""
     root = tmp_path_factory.mktemp("runs")
     args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2", "--lr", "0.05"]
     args += ["--clip-grad-norm", str(CLIP), "--profile-steps", "3:5", "--export", "best", "--keep-checkpoints", "5"]
-    one = run_single([*args, "--output-dir", str(root / "one")], cwd=root)
-    assert one.returncode == 0, explain(one)
-    two = run_launch([*args, "--output-dir", str(root / "two")], cwd=root, log_dir=root / "log")
-    assert two.returncode == 0, explain(two, root / "log")
-    return root
+    return run_one_and_two(root, args)
 
 
 def test_clipping_scales_the_step_to_the_norm_and_reports_the_norm_before():
