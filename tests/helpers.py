@@ -120,6 +120,9 @@ def launch_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("OMP_NUM_THREADS", None)
+    # importing paddle_mnist.predict (test_predict does, at collection) quiets Paddle's C++ INFO lines in this
+    # process's environment; the jobs a test starts log as a user's would
+    env.pop("GLOG_minloglevel", None)
     return env
 
 
