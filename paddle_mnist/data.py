@@ -11,13 +11,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import paddle
 
 from . import augment, formats
 from .config import DATASETS
 from .formats import DataError
 
-REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+SUMS = "SHA256SUMS"  # in each dataset folder: the files' SHA-256 digests, in sha256sum's format
+
+
+def _default_data_root() -> Path:
+    """The checkout's data/ (shipped datasets) when the package runs from a checkout; else ./data, where
+    python -m paddle_mnist.download puts datasets when the package was installed with pip."""
+    checkout = Path(__file__).resolve().parent.parent
+    return checkout / "data" if (checkout / "pyproject.toml").is_file() else Path("data").resolve()
+
+
+REPO_DATA = _default_data_root()
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -76,7 +85,7 @@ def _sha256(path: Path) -> str:
 
 def verify_checksums(folder: Path) -> None:
     """Check every file named in folder/SHA256SUMS (sha256sum format); no list, nothing to check."""
-    listing = folder / "SHA256SUMS"
+    listing = folder / SUMS
     if not listing.is_file():
         return
     for line in listing.read_text().splitlines():
@@ -214,8 +223,12 @@ class IndexSpace:
         return self.n
 
 
-def make_sampler(n: int, per_worker: int, rank: int, world_size: int) -> paddle.io.DistributedBatchSampler:
-    """Each worker's share of every global batch of n images: per_worker indices, disjoint across workers."""
+def make_sampler(n: int, per_worker: int, rank: int, world_size: int):
+    """Each worker's share of every global batch of n images (a paddle.io.DistributedBatchSampler): per_worker
+    indices, disjoint across workers. Paddle is imported here, so that reading data (and the download command)
+    does not load it."""
+    import paddle
+
     return paddle.io.DistributedBatchSampler(
         IndexSpace(n), batch_size=per_worker, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True
     )

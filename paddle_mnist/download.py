@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import DATASETS
-from .data import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA
+from .data import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA, SUMS
 from .formats import DataError, check_pair, read_idx
 
 VALID_SIZE = 10_000  # the course's file: the last 10,000 MNIST training images are its 'valid' split
-SUMS = "SHA256SUMS"
 CHUNK = 1 << 20
 USER_AGENT = "paddle_mnist-download/0.1"
 IDX_NAMES = tuple(f"{stem}.gz" for split in ("train", "test") for stem in IDX_FILES[split])  # as published: gzipped

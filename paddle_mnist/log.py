@@ -6,8 +6,10 @@ import logging
 import os
 import resource
 import sys
+from typing import TYPE_CHECKING
 
-from .distributed import DistEnv
+if TYPE_CHECKING:  # for annotations only: this module loads without Paddle (config and download use it)
+    from .distributed import DistEnv
 
 
 def get_logger(env: DistEnv) -> logging.Logger:

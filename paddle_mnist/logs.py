@@ -274,12 +274,15 @@ def summarise(log_dir: Path, launcher_output: list[Path] | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    usage = (
+        "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...] (the launcher's --log_dir, and files "
+        "holding what the launcher itself printed, for its exit codes and ABORT!!! lines)"
+    )
+    if args[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not args or not Path(args[0]).is_dir() or not all(Path(a).is_file() for a in args[1:]):
-        print(
-            "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...] (the launcher's --log_dir, and files "
-            "holding what the launcher itself printed, for its exit codes and ABORT!!! lines)",
-            file=sys.stderr,
-        )
+        print(usage, file=sys.stderr)
         return 2
     print(summarise(Path(args[0]), [Path(a) for a in args[1:]]))
     return 0

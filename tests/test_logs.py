@@ -195,3 +195,4 @@ def test_command_line(tmp_path, capsys):
     assert main([]) == 2 and main([str(tmp_path / "nowhere")]) == 2
     assert main([str(tmp_path), str(tmp_path / "no-launcher.out")]) == 2
     assert "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...]" in capsys.readouterr().err
+    assert main(["--help"]) == 0 and "usage: python -m paddle_mnist.logs" in capsys.readouterr().out

@@ -205,3 +205,8 @@ def test_shift_zero_leaves_only_flips():
     assert all(s or m for s, m in zip(same, mirrored))
     assert 10 < sum(mirrored) < 54  # about half flipped
     assert augment.describe(policy) == "horizontal flips"
+
+
+def test_datasets_are_read_from_the_checkouts_data_folder():
+    """Run from a checkout (pyproject.toml beside the package), the default is the shipped data/ there."""
+    assert data.REPO_DATA == REPO / "data" and (data.REPO_DATA / "fashion-mnist" / data.SUMS).is_file()
