@@ -16,7 +16,7 @@ from .distributed import DistEnv, LaunchError
 from .lock import RunLock
 from .log import get_logger, memory_mb
 from .models import build_model, count_parameters
-from .outputs import BEST_WEIGHTS, RunFiles, WriteFailed, output_dir_problem
+from .outputs import BEST_WEIGHTS, RESULTS, WEIGHTS, RunFiles, WriteFailed, output_dir_problem
 from .preempt import Preempted, StopSignals, exit_code
 from .session import Session, check_best
 from .state import TrainState
@@ -192,13 +192,13 @@ def _finish(cfg, env, log, state: TrainState, files: RunFiles, session: Session,
         "best": {k: v for k, v in best.items() if k != "digest"} if best else None,
         "exported": cfg.export if best else "last",
     }
-    files.write_json("results.json", result)
+    files.write_json(RESULTS, result)
     session.meet(state.step)  # training is over: a signal from here on lets the run finish; a failed write stops it
     log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
         f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
         f"peak memory {peak_mb:.0f} MiB; "
-        f"weights in {os.path.join(cfg.output_dir, 'model.pdparams')}"
+        f"weights in {os.path.join(cfg.output_dir, WEIGHTS)}"
     )
     files.finish()
     failed = _export(files, net, ds, cfg, best)  # last: if paddle.jit.save fails, weights and results are written
@@ -228,8 +228,8 @@ def _export(files: RunFiles, net, ds: data.Dataset, cfg: Config, best: dict | No
         out = cfg.output_dir
         failed = ExportFailed(
             f"exporting the inference model to {os.path.join(out, 'inference')} failed ({type(e).__name__}: {e}); "
-            f"nothing else is lost: the weights are in {os.path.join(out, 'model.pdparams')} and the results in "
-            f"{os.path.join(out, 'results.json')}. Fix the cause, then run the same command with --resume yes: "
+            f"nothing else is lost: the weights are in {os.path.join(out, WEIGHTS)} and the results in "
+            f"{os.path.join(out, RESULTS)}. Fix the cause, then run the same command with --resume yes: "
             "it loads the finished run's last checkpoint and exports again without training"
         )
         failed.__cause__ = e

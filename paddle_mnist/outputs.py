@@ -18,8 +18,12 @@ from . import checkpoint, dashboard, data, export, plots
 from .config import Config
 from .distributed import DistEnv
 
+METRICS = plots.METRICS_FILE
+CONFIG = "config.json"
+RESULTS = "results.json"
+WEIGHTS = "model.pdparams"  # the last weights
 BEST_WEIGHTS = "model_best.pdparams"  # the weights of the epoch with the highest validation accuracy
-RESULT_FILES = ("metrics.jsonl", "model.pdparams", BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
+RESULT_FILES = (METRICS, WEIGHTS, BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
 
 
 class WriteFailed(RuntimeError):
@@ -126,8 +130,8 @@ class RunFiles:
     def _start(self, resumed_epoch: int | None) -> int:
         """The step of the last metrics row kept (0: none)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(self.out / "config.json", self.cfg.to_json() + "\n")
-        metrics = self.out / "metrics.jsonl"
+        _write_text_atomic(self.out / CONFIG, self.cfg.to_json() + "\n")
+        metrics = self.out / METRICS
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
             dashboard.remove_logs(self.out)
@@ -146,7 +150,7 @@ class RunFiles:
     def append_metrics(self, row: dict) -> None:
         if not self.enabled or self.failure:
             return
-        path = self.out / "metrics.jsonl"
+        path = self.out / METRICS
         with self._writing(path):
             with open(path, "a") as f:
                 size = f.tell()
@@ -198,8 +202,8 @@ class RunFiles:
 
     def save_weights(self, model: paddle.nn.Layer) -> None:
         if self.enabled and not self.failure:
-            with self._writing(self.out / "model.pdparams"):
-                checkpoint.save_atomic(model.state_dict(), self.out / "model.pdparams")
+            with self._writing(self.out / WEIGHTS):
+                checkpoint.save_atomic(model.state_dict(), self.out / WEIGHTS)
 
     def save_best(self, model: paddle.nn.Layer) -> None:
         if self.enabled and not self.failure:
