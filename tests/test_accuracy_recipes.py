@@ -84,12 +84,20 @@ def test_tta_scores_the_mean_of_each_image_and_its_mirror(fashion_dir):
     assert got.loss != plain.loss  # the mirror images did change the outputs
 
 
-@pytest.mark.slow
-def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(fashion_dir, tmp_path):
+@pytest.fixture(scope="module")
+def four_epochs(fashion_dir, tmp_path_factory):
+    """(the arguments, the output folder) of one 4-epoch run, for the tests that read its rows."""
+    root = tmp_path_factory.mktemp("full")
     args = ["--data-dir", str(fashion_dir), "--epochs", "4", "--batch-size", "64", "--log-every", "0"]
-    full = run_single([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path)
+    full = run_single([*args, "--output-dir", str(root / "o")], cwd=root)
     assert full.returncode == 0, explain(full)
-    accs = [r["val_acc"] for r in read_metrics(tmp_path / "full")]
+    return args, root / "o"
+
+
+@pytest.mark.slow
+def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(four_epochs, tmp_path):
+    args, full = four_epochs
+    accs = [r["val_acc"] for r in read_metrics(full)]
     target = accs[1]  # reached first at epoch 2 or earlier; the run must stop at the first epoch that reaches it
     first = next(i for i, a in enumerate(accs) if a >= target) + 1
     assert first < 4, accs
@@ -103,14 +111,11 @@ def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(fashion
 
 
 @pytest.mark.slow
-def test_metrics_rows_carry_seconds_since_the_command_started(fashion_dir, tmp_path):
-    args = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64", "--log-every", "0"]
-    proc = run_single([*args, "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
-    assert proc.returncode == 0, explain(proc)
-    times = [r["time_s"] for r in read_metrics(tmp_path / "o")]
-    epochs = [r["epoch_time_s"] for r in read_metrics(tmp_path / "o")]
+def test_metrics_rows_carry_seconds_since_the_command_started(four_epochs):
+    rows = read_metrics(four_epochs[1])
+    times, epochs = [r["time_s"] for r in rows], [r["epoch_time_s"] for r in rows]
     assert times[0] > epochs[0] > 0  # the clock started before the data was loaded and the first epoch ran
-    assert times[1] - times[0] >= epochs[1]
+    assert all(later - earlier >= epoch for earlier, later, epoch in zip(times, times[1:], epochs[1:]))
 
 
 @pytest.mark.slow
