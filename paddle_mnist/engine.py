@@ -216,10 +216,9 @@ def weights_finite(model: paddle.nn.Layer) -> bool:
     return all(bool(paddle.isfinite(p).all()) for p in model.parameters())
 
 
-def check_finite(loss_sum: float, state, env: DistEnv, weights: bool = False) -> None:
+def check_finite(loss_sum: float, state, env: DistEnv) -> None:
     """Stop every worker together once any worker's loss is NaN or infinite (an all-reduce, so none is left
-    waiting); with weights=True, also once the weights are (identical on every rank, so all stop here together).
-    Checkpoints are never written from a diverged state, so the last one is good."""
+    waiting). Checkpoints are never written from a diverged state, so the last one is good."""
     bad = all_reduce_sum([0.0 if math.isfinite(loss_sum) else 1.0], env)[0]
     if bad:
         raise Diverged(
@@ -227,7 +226,11 @@ def check_finite(loss_sum: float, state, env: DistEnv, weights: bool = False) ->
             "the likely cause is a learning rate too high for this batch size: lower --lr, and restart or --resume "
             "from the last checkpoint (it was saved before the loss diverged)"
         )
-    if weights and not weights_finite(state.model):
+
+
+def check_weights(state) -> None:
+    """Stop once the weights are NaN or infinite: they are identical on every rank, so all stop here together."""
+    if not weights_finite(state.model):
         raise Diverged(
             f"the weights became NaN or infinite in epoch {state.epoch + 1} (by step {state.step}); lower --lr, and "
             "restart or --resume from the last checkpoint (it was saved before this)"

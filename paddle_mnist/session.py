@@ -205,7 +205,7 @@ class Session:
         self.dog.progress(state.step)
         row = epoch_row(cfg, self.env, state, stats, val)
         log_epoch(self.log, cfg, row, stats)
-        engine.check_finite(stats.loss, state, self.env, weights=True)
+        engine.check_weights(state)  # the loss was checked, on every rank, at the end of the epoch
         self.files.append_metrics(row)
         improved = state.best is None or val.acc > state.best["val_acc"]
         if improved:
