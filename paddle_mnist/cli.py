@@ -244,6 +244,28 @@ def _point_to_summary(log: logging.Logger) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = _run_command(argv)
+    if code and distributed.launched_workers() > 1:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End a failed worker of a launched job at once, skipping Paddle's teardown.
+
+    The launcher reports the first worker's exit status and SIGTERMs the workers still running as soon as one
+    ends. Python restores the default signal actions when it starts shutting down, so a worker still tearing
+    Paddle down (a second or more on a loaded machine) would die of that SIGTERM and the job would end with -15
+    instead of the worker's own status. Everything this run writes is closed by now; the logs are flushed here.
+    """
+    for handler in logging.getLogger("paddle_mnist").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_command(argv: list[str] | None) -> int:
     cpu.prefer_fast_kernels()  # first: MKL reads its settings at the first matmul or convolution
     stop = StopSignals().install()  # then take SIGTERM/SIGINT over: Paddle's import installed handlers that abort
     try:

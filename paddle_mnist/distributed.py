@@ -87,6 +87,14 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
+def launched_workers() -> int:
+    """The job's world size as the launcher set it (1 without a launcher or with an unreadable value)."""
+    try:
+        return _env_int("PADDLE_TRAINERS_NUM", "PADDLE_GLOBAL_SIZE", default=1)
+    except ValueError:
+        return 1
+
+
 def setup() -> DistEnv:
     """Check the launch, join the process group (for more than one worker) and pick the device."""
     check_gpu_request()
