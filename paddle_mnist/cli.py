@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -246,23 +247,13 @@ def _point_to_summary(log: logging.Logger) -> None:
 def main(argv: list[str] | None = None) -> int:
     code = _run_command(argv)
     if code and distributed.launched_workers() > 1:
-        _exit_now(code)
+        # The launcher reports the first worker's exit status and SIGTERMs the others as soon as one ends. Python
+        # puts the default action back for signals it handles when it starts shutting down, so a worker still
+        # tearing Paddle down (a second or more on a busy machine) would die of that SIGTERM, and the job would end
+        # with -15 rather than this status. An ignored signal stays ignored through the shutdown. Ending at once
+        # (os._exit) is no cure: a peer still joining the process group then fails before logging its own error.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return code
-
-
-def _exit_now(code: int) -> None:
-    """End a failed worker of a launched job at once, skipping Paddle's teardown.
-
-    The launcher reports the first worker's exit status and SIGTERMs the workers still running as soon as one
-    ends. Python restores the default signal actions when it starts shutting down, so a worker still tearing
-    Paddle down (a second or more on a loaded machine) would die of that SIGTERM and the job would end with -15
-    instead of the worker's own status. Everything this run writes is closed by now; the logs are flushed here.
-    """
-    for handler in logging.getLogger("paddle_mnist").handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def _run_command(argv: list[str] | None) -> int:
