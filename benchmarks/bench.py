@@ -99,6 +99,7 @@ def run_trainer(args, workers: int, work: Path, name: str, extra: list[str]) -> 
     out, log_dir = work / name, work / f"{name}-log"
     fresh(out, log_dir)
     cmd = launcher(workers, log_dir) + [str(REPO / "train.py"), "--data-dir", str(args.data_dir)]
+    cmd += ["--model", "mnist_cnn"]  # the network every other contender trains
     cmd += ["--batch-size", str(args.batch), "--train-limit", str(args.batch * args.steps)]
     cmd += ["--epochs", str(args.windows + 1), "--eval-limit", "1000", "--log-every", "0"]
     cmd += ["--output-dir", str(out), *extra]

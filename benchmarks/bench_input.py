@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dataset", default="cifar10", choices=DATASETS)
     p.add_argument("--data-dir", help="the dataset's folder or file (default: data/<dataset>, else generated)")
-    p.add_argument("--model", default=Config().model, choices=list(models.MODELS), help="model for the training rate")
+    p.add_argument("--model", default="mnist_cnn", choices=list(models.MODELS), help="model for the training rate")
     p.add_argument("--workers", type=int, default=2, help="workers for the training run")
     p.add_argument("--batch-size", type=int, default=0, help=f"global batch (0: {PER_WORKER_BATCH} x workers)")
     p.add_argument("--seconds", type=float, default=5.0, help="time per pipeline measurement")

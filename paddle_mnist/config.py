@@ -27,10 +27,10 @@ class ConfigError(ValueError):
 class Config:
     dataset: str = "fashion-mnist"
     data_dir: str | None = None
-    model: str = "mnist_cnn"
+    model: str = "mnist_cnn_bn_fc"
     augment: bool = False  # parse_args fills in the dataset's default when neither flag is given
     shift: int | None = None  # largest random shift in pixels when augmenting; None: the dataset's policy
-    epochs: int = 10
+    epochs: int = 8
     max_steps: int = 0
     batch_size: int = 0  # global batch of one optimizer step; 0 = PER_WORKER_BATCH x world size
     eval_batch_size: int = 1000

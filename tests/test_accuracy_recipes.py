@@ -56,7 +56,7 @@ def test_ema_run_evaluates_saves_and_checkpoints_the_average(fashion_dir, tmp_pa
     for key in saved:
         np.testing.assert_array_equal(saved[key].numpy(), ckpt["ema"][key].numpy(), err_msg=key)
     assert not np.array_equal(saved["fc.weight"].numpy(), ckpt["model"]["fc.weight"].numpy())
-    net = MnistCNN()
+    net = build_model(config.Config().model)  # the run's: the default model
     net.set_state_dict(saved)
     ds = data.load_dataset("fashion-mnist", str(fashion_dir))
     again = evaluate(net, ds.test, ds, config.Config(), ONE)

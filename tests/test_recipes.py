@@ -26,6 +26,7 @@ from paddle_mnist.state import make_schedule
 # Trainable parameters, counted by hand from each architecture:
 # mnist_cnn: conv 1->20 5x5 (520), conv 20->20 5x5 (10,020), dense 20*7*7->10 (9,810)
 # mnist_cnn_bn: the same convs without bias (500, 10,000), each followed by batch norm (scale and shift: 40)
+# mnist_cnn_bn_fc: mnist_cnn_bn's convs and norms (10,580), dense 20*7*7->256 (251,136), 256->10 (2,570)
 # cifar_cnn: conv 3->32 (896), 32->32 (9,248), 32->64 (18,496), 64->64 (36,928), 2304->512 (1,180,160), 512->10 (5,130)
 # minigooglenet: the Keras tutorial's summary reports 1,652,826 trainable parameters for 32x32x3 input
 EXPECTED = {
@@ -33,6 +34,8 @@ EXPECTED = {
     ("mnist_cnn", (3, 32, 32)): 24_350,
     ("mnist_cnn_bn", (1, 28, 28)): 20_390,
     ("mnist_cnn_bn", (3, 32, 32)): 24_390,
+    ("mnist_cnn_bn_fc", (1, 28, 28)): 264_286,
+    ("mnist_cnn_bn_fc", (3, 32, 32)): 342_086,
     ("cifar_cnn", (3, 32, 32)): 1_250_858,
     ("minigooglenet", (3, 32, 32)): 1_652_826,
 }
@@ -118,6 +121,7 @@ def mnist_dir(tmp_path_factory):
 def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights."""
     args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2"]
+    args += ["--model", "mnist_cnn"]  # no batch norm: a worker's statistics would differ from the whole batch's
     args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]
     one = run_single([*args, "--output-dir", str(tmp_path / "one")], cwd=tmp_path)
     assert one.returncode == 0, explain(one)

@@ -29,12 +29,14 @@ from helpers import (
 )
 
 from paddle_mnist import checkpoint, export
+from paddle_mnist.config import Config
 from paddle_mnist.logs import summarise
-from paddle_mnist.models import MnistCNN
+from paddle_mnist.models import build_model
 
 pytestmark = pytest.mark.slow  # each test starts real trainer processes, and most of them stop or kill one
 
 ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
+ARGS += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
 ARGS += ["--batch-size", "64", "--epochs", "2"]
 
 
@@ -191,7 +193,7 @@ def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_pa
     assert "nothing else is lost" in errors[0] and "--resume yes" in errors[0]
     first_results = read_results(out)
     assert first_results["steps"] == 4
-    trained = MnistCNN()
+    trained = build_model(Config().model)
     trained.set_state_dict(paddle.load(str(out / "model.pdparams")))
 
     shutil.rmtree(out / "inference.pdiparams")
@@ -207,6 +209,6 @@ def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_pa
     trained_s = checkpoint.load(checkpoint.list_checkpoints(out)[-1])["elapsed_s"]
     assert trained_s > 0
     assert again_results["wall_time_s"] >= trained_s
-    again = MnistCNN()
+    again = build_model(Config().model)
     again.set_state_dict(paddle.load(str(out / "model.pdparams")))
     assert checkpoint.digest(again) == checkpoint.digest(trained)
