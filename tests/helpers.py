@@ -23,6 +23,7 @@ from paddle_mnist import data, formats, plots
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "train.py"
+TUTORIAL_CNN = ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), for tests written for it
 
 
 def idx_bytes(array: np.ndarray) -> bytes:

@@ -12,12 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_single, worker_log
+from helpers import TRAIN_PY, TUTORIAL_CNN, explain, launch_env, make_dataset, run_single, worker_log
 
 from paddle_mnist import checkpoint
 
 ARGS = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--epochs", "2"]
-ARGS += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+ARGS += TUTORIAL_CNN
 ARGS += ["--log-every", "0", "--lr", "0.02"]  # 8 steps an epoch
 
 

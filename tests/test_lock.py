@@ -10,12 +10,22 @@ import subprocess
 import sys
 
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_launch, run_single, wait_for, worker_log
+from helpers import (
+    TRAIN_PY,
+    TUTORIAL_CNN,
+    explain,
+    launch_env,
+    make_dataset,
+    run_launch,
+    run_single,
+    wait_for,
+    worker_log,
+)
 
 from paddle_mnist.lock import LOCK_NAME, RunLock
 
 ARGS = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--log-every", "1"]
-ARGS += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+ARGS += TUTORIAL_CNN
 
 
 def dead_pid() -> int:

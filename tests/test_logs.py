@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, launch_env, make_dataset, rank_pid, reaped, wait_for
+from helpers import TRAIN_PY, TUTORIAL_CNN, launch_env, make_dataset, rank_pid, reaped, wait_for
 
 from paddle_mnist.logs import main, summarise
 
 ARGS = ["--dataset", "mnist", "--batch-size", "64", "--log-every", "4", "--lr", "0.02"]
-ARGS += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+ARGS += TUTORIAL_CNN
 
 
 @pytest.fixture(scope="module")

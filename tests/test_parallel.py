@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
+    TUTORIAL_CNN,
     explain,
     free_port,
     param_digest,
@@ -29,7 +30,7 @@ from paddle_mnist.models import MnistCNN
 pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
 
 SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "4", "--lr", "0.02"]
-SMALL += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+SMALL += TUTORIAL_CNN
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import TRAIN_PY, explain, launch_env, make_dataset, rank_pid, reaped, run_launch, weights, worker_log
+from helpers import (
+    TRAIN_PY,
+    TUTORIAL_CNN,
+    explain,
+    launch_env,
+    make_dataset,
+    rank_pid,
+    reaped,
+    run_launch,
+    weights,
+    worker_log,
+)
 
 from paddle_mnist import checkpoint
 from paddle_mnist.logs import summarise
@@ -20,7 +31,7 @@ from paddle_mnist.logs import summarise
 pytestmark = pytest.mark.slow  # each test starts the trainer under the launcher and stops it with a signal
 
 ARGS = ["--dataset", "mnist", "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
-ARGS += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+ARGS += TUTORIAL_CNN
 # 64 steps an epoch: the ranks meet about every 0.25 s, so a signal early in the epoch stops it mid-epoch
 ARGS += ["--log-every", "4", "--eval-limit", "100"]
 STOP_LINE = re.compile(

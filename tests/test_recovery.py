@@ -17,6 +17,7 @@ import paddle
 import pytest
 from helpers import (
     TRAIN_PY,
+    TUTORIAL_CNN,
     explain,
     launch_env,
     make_dataset,
@@ -36,7 +37,7 @@ from paddle_mnist.models import build_model
 pytestmark = pytest.mark.slow  # each test starts real trainer processes, and most of them stop or kill one
 
 ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
-ARGS += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+ARGS += TUTORIAL_CNN
 ARGS += ["--batch-size", "64", "--epochs", "2"]
 
 

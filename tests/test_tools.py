@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
+    TUTORIAL_CNN,
     explain,
     read_metrics,
     read_results,
@@ -25,7 +26,7 @@ from paddle_mnist.models import MnistCNN, build_model, count_parameters
 from paddle_mnist.state import TrainState, make_optimizer
 
 SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "0"]
-SMALL += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+SMALL += TUTORIAL_CNN
 CLIP = 0.5  # below the gradient norms of the first epochs here, so every step clips
 
 

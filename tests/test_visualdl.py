@@ -13,7 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, explain, free_port, launch_env, make_dataset, read_metrics, run_launch, run_single, worker_log
+from helpers import (
+    REPO,
+    TUTORIAL_CNN,
+    explain,
+    free_port,
+    launch_env,
+    make_dataset,
+    read_metrics,
+    run_launch,
+    run_single,
+    worker_log,
+)
 from PIL import Image
 from visualdl import LogReader, LogWriter  # not importorskip: CI installs it; missing, these tests fail
 
@@ -21,7 +32,7 @@ from paddle_mnist import checkpoint, dashboard
 
 # 512 images in batches of 64: 8 steps an epoch, a progress line every 4 steps
 SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "100", "--log-every", "4", "--lr", "0.02"]
-SMALL += ["--model", "mnist_cnn"]  # the tutorial's network (no batch norm), which these tests were written for
+SMALL += TUTORIAL_CNN
 SMALL += ["--batch-size", "64"]
 
 
