@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -258,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(argv: list[str] | None) -> int:
     cpu.prefer_fast_kernels()  # first: MKL reads its settings at the first matmul or convolution
+    # A worker killed by SIGBUS, SIGSEGV, SIGFPE or SIGABRT writes "Fatal Python error: <signal>" and every
+    # thread's Python stack to its log, then Paddle's handler (installed by its import, which this one hands on to)
+    # prints the C++ side. Paddle's handler is not async-signal-safe (it allocates and unwinds the stack), and a
+    # worker has been seen to hang in it without printing a line: then this line is all the log says of the signal.
+    faulthandler.enable(all_threads=True)
     stop = StopSignals().install()  # then take SIGTERM/SIGINT over: Paddle's import installed handlers that abort
     try:
         cfg = parse_args(argv)

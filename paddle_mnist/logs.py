@@ -20,8 +20,9 @@ WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 MEMORY = re.compile(r"memory (\d+) MiB")
 # the legacy launcher (paddle.distributed.fleet.launch) on its stdout: rank=[1] or rank=[0, 1]
 PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.M)  # not Paddle's "C++ Traceback ..."
-# Paddle's last words when C++ ends the process: a signal, or an uncaught C++ exception
-FATAL = re.compile(r"^(FatalError: |terminate called |  what\(\): )|Assertion `.*' failed")
+# The last words of a process that C++ or a signal ends: Paddle's handler, an uncaught C++ exception, the
+# trainer's faulthandler ("Fatal Python error: Bus error")
+FATAL = re.compile(r"^(FatalError: |terminate called |  what\(\): |Fatal Python error: )|Assertion `.*' failed")
 CONTAINER = re.compile(r"Container rank (\d+) status (\w+) cmd .* code (-?\d+)")  # paddle.distributed.launch
 ABORT = re.compile(r"ABORT!!! Out of all \d+ trainers, the trainer process with rank=\[([\d, ]*)\] was aborted")
 
@@ -125,7 +126,9 @@ SIGNALLED = Failure(
     "nothing is broken: continue with --resume auto (the stop line gives the whole command); a stop during start-up "
     "had nothing to save, so just run the command again",
 )
-KNOWN = (DIVERGED, WATCHDOG, PORT, SHARED_MEMORY, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
+# a bus error before the watchdog: a worker whose signal handler hung after the bus error (see cli.py) can be
+# ended later by its own watchdog, and the bus error is the cause
+KNOWN = (DIVERGED, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
 KILLED = Failure(
     "killed",
     "killed from outside without a word: most likely the kernel's out-of-memory killer (SIGKILL)",
@@ -195,14 +198,19 @@ def read_rank(path: Path) -> RankReport:
 def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankReport, list[str]]:
     """The rank whose failure came first, and the launcher's lines that point at it.
 
-    An ABORT!!! line names the ranks that failed; among them (or all unfinished ranks) a cause of its own beats
-    an echo (a lost connection, the watchdog's verdict), and then the log that fell silent first wins."""
+    A rank with a cause of its own (an error, a crash, a kill from outside) beats one whose end echoes another's
+    (a lost connection, the watchdog's verdict, the launcher's SIGTERM). Among those, the ranks an ABORT!!! line
+    names come first: it names the processes that ended first, which may be only the echo of a rank that hung
+    before it ended. Then the log that fell silent first wins."""
     unfinished = [r for r in reports if r.status != "finished"]
     pointers = [line.strip() for line in launcher if ABORT.search(line)]
     named = {int(k) for line in pointers for k in ABORT.search(line).group(1).replace(" ", "").split(",") if k}
-    candidates = [r for r in unfinished if _rank_of(r) in named] or unfinished
-    own = [r for r in candidates if not (r.failure and r.failure.echo)] or candidates
-    return min(own, key=lambda r: r.mtime), pointers
+    own = [r for r in unfinished if not (r.failure and (r.failure.echo or r.failure is SIGNALLED))]
+    candidates = own or unfinished
+    candidates = [r for r in candidates if _rank_of(r) in named] or candidates
+    if not own:
+        candidates = [r for r in candidates if not (r.failure and r.failure.echo)] or candidates
+    return min(candidates, key=lambda r: r.mtime), pointers
 
 
 def _rank_of(r: RankReport) -> int:

@@ -113,11 +113,55 @@ def test_legacy_launchers_abort_is_followed_to_the_bus_error_of_the_rank_it_name
         os.kill(rank_pid(out, 1), signal.SIGBUS)
         assert job.wait(timeout=120) != 0
     assert "ABORT!!!" in (tmp_path / "launcher.out").read_text()
+    # the trainer's faulthandler speaks first, with the Python stack of the worker's main thread
+    log1 = (tmp_path / "log" / "workerlog.1").read_text(errors="replace")
+    assert "Fatal Python error: Bus error" in log1 and "paddle_mnist/engine.py" in log1, log1[-3000:]
     summary = summarise(tmp_path / "log", [tmp_path / "launcher.out"])
     assert "the launcher: ABORT!!! Out of all 2 trainers, the trainer process with rank=[" in summary, summary
     assert "workerlog.1  bus error (shm)" in summary and "first to stop: rank 1" in summary, summary
     assert "cause: a bus error: most often the shared memory (/dev/shm) is too small or full" in summary
     assert "SIGBUS" in summary and "fix: check it with df -h /dev/shm" in summary
+
+
+# A run where Paddle's SIGBUS handler hung in rank 1 before printing anything: rank 0 waited in an all-reduce until
+# gloo gave up, the legacy launcher named only rank 0, and rank 1's watchdog ended it once rank 0's store was gone.
+# Rank 0's lines are that run's; rank 1's bus error line is what the trainer's faulthandler writes first.
+HUNG_RANK_0 = """\
+12:00:00 [rank 0/2] rank 0 of world size 2 (local rank 0 of 2), backend gloo, device cpu
+12:00:01 [rank 0/2] epoch 1 step 8/32 loss 1.7161 lr 0.01833 1353 img/s (global), memory 313 MiB
+terminate called after throwing an instance of 'gloo::TimeoutException'
+  what():  [/paddle/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:83] TIMEOUT self_rank = none pair_rank = -1
+FatalError: `Process abort signal` is detected by the operating system.
+"""
+HUNG_RANK_1 = """\
+12:00:00 [rank 1/2] rank 1 of world size 2 (local rank 1 of 2), backend gloo, device cpu
+12:00:01 [rank 1/2] epoch 1 step 8/32 loss 1.7161 lr 0.01833 1353 img/s (global), memory 313 MiB
+Fatal Python error: Bus error
+
+Current thread 0x00007f6f7be22b80 (most recent call first):
+  File "/work/paddle_mnist/engine.py", line 180 in train_step
+12:00:32 [rank 1/2] error: the job's key-value store stopped answering (Connection reset by peer); rank 0 has probably \
+exited; ending this worker. Rerun the same command with --resume auto to continue from the last checkpoint
+"""
+HUNG_LAUNCHER = (
+    "ERROR 2026-11-23 12:00:31,388 launch_utils.py:648] ABORT!!! Out of all 2 trainers, the trainer process with "
+    "rank=[0] was aborted. Please check its log.\n"
+)
+
+
+def test_a_rank_with_a_cause_of_its_own_beats_the_echo_the_launcher_names(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "workerlog.1").write_text(HUNG_RANK_1)
+    (log / "workerlog.0").write_text(HUNG_RANK_0)
+    (tmp_path / "launcher.out").write_text(HUNG_LAUNCHER)
+    summary = summarise(log, [tmp_path / "launcher.out"])
+    assert "workerlog.0  connection lost" in summary and "workerlog.1  bus error (shm)" in summary, summary
+    assert "rank=[0] was aborted" in summary and "first to stop: rank 1" in summary, summary
+    assert "cause: a bus error" in summary and "workerlog.1: Fatal Python error: Bus error" in summary, summary
+    # the same logs without the bus error line: both ends are echoes, and the launcher's pointer decides
+    (log / "workerlog.1").write_text(HUNG_RANK_1.replace("Fatal Python error: Bus error", ""))
+    assert "first to stop: rank 0" in summarise(log, [tmp_path / "launcher.out"])
 
 
 LOADER_BUS = """
