@@ -14,7 +14,8 @@ hand-written loops (benchmarks/plain_loop.py) train the tutorial's layers as wri
 "bare-mkl" is the same loop with the MKL setting the trainer makes on AMD processors (paddle_mnist/cpu.py), which
 tells that lever apart from the network's faster forward. "torch" runs where PyTorch is installed (never a
 requirement) and is skipped otherwise. Writes a table, JSON (--json) and scaling.png (--plot); then measures the
-peak resident memory per worker of a short trainer run for each dataset and model (--no-memory skips that).
+peak resident memory per worker of a short trainer run for each dataset and model (--no-memory skips that,
+--memory-only does only that).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ CONTENDERS = {
     "torch": "PyTorch DDP loop",
 }
 MEMORY_RUNS = (  # (dataset, model) pairs whose peak memory is measured with a short trainer run
+    ("fashion-mnist", "mnist_cnn_bn_fc"),  # the default
     ("fashion-mnist", "mnist_cnn"),
     ("mnist-json", "mnist_cnn"),
     ("cifar10", "mnist_cnn"),
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="times each contender runs, taking turns with the others")
     p.add_argument("--memory-workers", type=int, default=2, help="workers of the memory runs")
     p.add_argument("--no-memory", action="store_true", help="skip the memory runs")
+    p.add_argument("--memory-only", action="store_true", help="only the memory runs, no throughput rounds")
     p.add_argument("--json", type=Path, default=Path("bench.json"), help="where to write the figures")
     p.add_argument("--plot", type=Path, default=Path("scaling.png"), help="where to draw images/s versus workers")
     args = p.parse_args(argv)
@@ -236,7 +239,15 @@ def main(argv: list[str] | None = None) -> int:
         print("the trainer changes no MKL setting on this processor: the bare-mkl contender is skipped")
         args.contenders = [c for c in args.contenders if c != "bare-mkl"]
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", cpu.MKL_CODE_PATH)}
-    args.env = {w: dict(base, OMP_NUM_THREADS=str(threads_for(w)), PYTHONPATH=str(REPO)) for w in (*args.workers, 2)}
+    sizes = (*args.workers, args.memory_workers)
+    args.env = {w: dict(base, OMP_NUM_THREADS=str(threads_for(w)), PYTHONPATH=str(REPO)) for w in sizes}
+    if args.memory_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(f"peak resident memory per worker, {args.memory_workers} workers, 3 steps:")
+            memory = memory_runs(args, Path(tmp))
+        args.json.write_text(json.dumps({"memory": memory}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+        return 0
     cores = os.cpu_count()
     print(
         f"{cores} cores; global batch {args.batch}; {args.rounds} rounds of {args.windows} windows of {args.steps} "
