@@ -64,8 +64,16 @@ WATCHDOG = Failure(
 PORT = Failure(
     "port in use",
     "a port the job needs was already taken, by another job or a leftover worker of an earlier run",
-    # 2.6: "Bind network on IP_ANY:PORT failed"; 3.3.1's libuv store aborts inside TCPServer::create instead
-    _any(r"Address already in use", r"EADDRINUSE", r"Bind network on \S+:\d+ failed", r"TCPServer::create\("),
+    # 2.6: "Bind network on IP_ANY:PORT failed"; 3.3.1's libuv store aborts inside TCPServer::create instead, on a
+    # libuv assertion while it tears down the server that could not listen; the C++ traceback naming
+    # TCPServer::create follows only when Paddle's signal handler gets to print it
+    _any(
+        r"Address already in use",
+        r"EADDRINUSE",
+        r"Bind network on \S+:\d+ failed",
+        r"TCPServer::create\(",
+        r"uv__finish_close: Assertion",
+    ),
     "find who holds it (ss -ltnp | grep PORT) and end it, or choose another port: --master IP:PORT for several "
     "nodes, --start_port or FLAGS_FIXED_PORT when fixing the workers' ports",
     detail=re.compile(r"create libuv server at port: \d+|Address already in use"),

@@ -165,6 +165,22 @@ def test_a_rank_with_a_cause_of_its_own_beats_the_echo_the_launcher_names(tmp_pa
     assert "first to stop: rank 0" in summarise(log, [tmp_path / "launcher.out"])
 
 
+# Paddle 3.3.1's port clash as a CI run logged it: the libuv assertion and the faulthandler line, and no C++
+# traceback after them (Paddle's handler never printed it)
+PORT_WITHOUT_TRACEBACK = """\
+I1123 10:16:36.561946 27791 tcp_store.cc:336] create libuv server at port: 46279
+python: /paddle/third_party/libuv/src/unix/core.c:314: uv__finish_close: Assertion `handle->flags & UV_HANDLE_CLOSING' \
+failed.
+Fatal Python error: Aborted
+"""
+
+
+def test_port_clash_is_named_without_paddles_cpp_traceback(tmp_path):
+    (tmp_path / "workerlog.0").write_text(PORT_WITHOUT_TRACEBACK)
+    summary = summarise(tmp_path)
+    assert "workerlog.0  port in use" in summary and "create libuv server at port: 46279" in summary, summary
+
+
 LOADER_BUS = """
 import os, signal
 import numpy as np
