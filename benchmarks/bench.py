@@ -134,7 +134,8 @@ def threads_for(workers: int) -> int:
 
 
 def memory_runs(args, work: Path) -> list[dict]:
-    """Peak resident memory per worker of a few trainer steps on each dataset and model (2 workers)."""
+    """Peak resident memory per worker of a few trainer steps on each dataset and model (--memory-workers)."""
+    print(f"peak resident memory per worker, {args.memory_workers} workers, 3 steps:")
     cifar = work / "cifar10"
     cifar.mkdir()
     generate_cifar_archive(cifar / data.CIFAR_ARCHIVE)
@@ -230,6 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show up at once when piped to a file
     started = time.perf_counter()
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", cpu.MKL_CODE_PATH)}
+    sizes = (*args.workers, args.memory_workers)
+    args.env = {w: dict(base, OMP_NUM_THREADS=str(threads_for(w)), PYTHONPATH=str(REPO)) for w in sizes}
+    if args.memory_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            memory = memory_runs(args, Path(tmp))
+        args.json.write_text(json.dumps({"memory": memory}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+        return 0
     if "torch" in args.contenders and importlib.util.find_spec("torch") is None:
         print("PyTorch is not installed here: the torch contender is skipped (pip install torch to run it)")
         args.contenders = [c for c in args.contenders if c != "torch"]
@@ -238,16 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     if "bare-mkl" in args.contenders and not args.mkl:
         print("the trainer changes no MKL setting on this processor: the bare-mkl contender is skipped")
         args.contenders = [c for c in args.contenders if c != "bare-mkl"]
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", cpu.MKL_CODE_PATH)}
-    sizes = (*args.workers, args.memory_workers)
-    args.env = {w: dict(base, OMP_NUM_THREADS=str(threads_for(w)), PYTHONPATH=str(REPO)) for w in sizes}
-    if args.memory_only:
-        with tempfile.TemporaryDirectory() as tmp:
-            print(f"peak resident memory per worker, {args.memory_workers} workers, 3 steps:")
-            memory = memory_runs(args, Path(tmp))
-        args.json.write_text(json.dumps({"memory": memory}, indent=2) + "\n")
-        print(f"wrote {args.json}")
-        return 0
     cores = os.cpu_count()
     print(
         f"{cores} cores; global batch {args.batch}; {args.rounds} rounds of {args.windows} windows of {args.steps} "
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {c: {w: merge(rs) for w, rs in by.items()} for c, by in runs.items()}
         memory = []
         if not args.no_memory:
-            print(f"\npeak resident memory per worker, {args.memory_workers} workers, 3 steps:")
+            print()
             memory = memory_runs(args, work)
 
     head = f"{'workers':>7} {'threads':>7} {'img/s':>7} {'range':>13} {'vs bare':>8} {'peak MiB':>14}"
