@@ -121,7 +121,7 @@ def test_metrics_rows_carry_seconds_since_the_command_started(four_epochs):
 @pytest.mark.slow
 def test_time_to_accuracy_script_reports_every_seed(fashion_dir, tmp_path):
     train = ["--data-dir", str(fashion_dir), "--epochs", "2", "--batch-size", "64"]
-    cmd = [sys.executable, "-m", "benchmarks.time_to_accuracy", "--target", "0.2", "--seeds", "1", "2"]
+    cmd = [sys.executable, "-m", "scripts.time_to_accuracy", "--target", "0.2", "--seeds", "1", "2"]
     cmd += ["--workers", "1"]
     cmd += ["--json", str(tmp_path / "t.json"), "--work-dir", str(tmp_path / "runs"), "--", *train]
     proc = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300)

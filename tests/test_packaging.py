@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as metadata
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 from helpers import REPO
@@ -34,3 +38,29 @@ def test_console_commands_resolve_to_the_modules_main():
         return  # not installed here; the declared commands were checked
     installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
     assert installed == declared
+
+
+def documented_scripts() -> set[str]:
+    """Every `python -m scripts.NAME` that the README and docs/ tell a reader to run."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return {name for page in pages for name in re.findall(r"python -m (scripts\.\w+)", page.read_text())}
+
+
+def test_the_top_level_holds_the_design_cards_names():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    top = {path.split("/")[0] for path in tracked}
+    card = {"paddle_mnist", "data", "scripts", "tests", "requirements.txt", "README.md"}
+    python_project = {"docs", "train.py", "pyproject.toml", ".ci", ".gitignore"}
+    assert card <= top
+    extra = top - card - python_project
+    assert all(name.startswith("requirements-") for name in extra), extra
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", sorted(documented_scripts()))
+def test_every_documented_script_runs_as_written_from_the_repository_root(module):
+    """Each script the docs name starts from a checkout's root and prints its usage (no sys.path edits needed)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout

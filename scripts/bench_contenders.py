@@ -1,4 +1,4 @@
-"""The loops benchmarks/bench.py times against the trainer, one per process (under the launcher for 2+ workers).
+"""The loops scripts/bench.py times against the trainer, one per process (under the launcher for 2+ workers).
 
     bare      a hand-written loop: forward, loss, backward, step over batches already in memory as tensors
     torch     the same loop, network and batch in PyTorch with DistributedDataParallel (gloo), where torch is installed
@@ -7,7 +7,7 @@
               keeping every world-th batch (what distributed_batch_reader did), fed to the dygraph loop
 
 Every Paddle contender trains the tutorial's layers as the tutorial writes them (MnistCNN(plain=True): nn.Conv2D
-with its bias, ReLU, max-pool) with the plain loop of benchmarks/plain_loop.py, so they show what a user's own loop
+with its bias, ReLU, max-pool) with the plain loop of scripts/plain_loop.py, so they show what a user's own loop
 gets. Each rank writes
 {"rates": [global images/s per timed window], "peak_mb": ...} to OUT.rank<N>.json.
 """
@@ -27,9 +27,9 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from benchmarks.plain_loop import DEFAULTS, optimizer, train
 from paddle_mnist import data
 from paddle_mnist.models import MnistCNN
+from scripts.plain_loop import DEFAULTS, optimizer, train
 
 
 class Windows:

@@ -1,6 +1,6 @@
 """Time to accuracy: run one training recipe for several seeds and report when each reached the target.
 
-    python -m benchmarks.time_to_accuracy --target 0.91 --seeds 1 2 3 -- --model mnist_cnn_bn --epochs 8
+    python -m scripts.time_to_accuracy --target 0.91 --seeds 1 2 3 -- --model mnist_cnn_bn --epochs 8
 
 Everything after `--` is passed to train.py as it is. Each seed runs on its own, one after another, the way a user
 starts it (python -m paddle.distributed.launch --nproc_per_node W, or python train.py for one worker), into a

@@ -1,4 +1,4 @@
-"""Seconds from SIGTERM to the end of a real 2-worker job: python -m benchmarks.stop_time [--at REGEX] [trainer args].
+"""Seconds from SIGTERM to the end of a real 2-worker job: python -m scripts.stop_time [--at REGEX] [trainer args].
 
 Starts python -m paddle.distributed.launch --nproc_per_node 2 train.py (the default model and data unless
 trainer args say otherwise), sends SIGTERM to the launcher once worker 0's log matches --at, and prints how long

@@ -2,8 +2,8 @@
 
 Each setting runs in its own fresh process, one after another, so they compare side by side in one run:
 
-    python -m benchmarks.bench_threads --threads 1 2 --onednn 0 1 --steps 60
-    python -m benchmarks.bench_threads --procs 2 --threads 1 2 --onednn 0   # two local workers side by side
+    python -m scripts.bench_threads --threads 1 2 --onednn 0 1 --steps 60
+    python -m scripts.bench_threads --procs 2 --threads 1 2 --onednn 0   # two local workers side by side
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ def measure(threads: int, batch: int, steps: int) -> float:
     import numpy as np
     import paddle
 
-    from benchmarks import plain_loop
     from paddle_mnist.models import MnistCNN
+    from scripts import plain_loop
 
     paddle.base.core.set_num_threads(threads)
     paddle.seed(0)
@@ -63,7 +63,7 @@ def main() -> int:
         for onednn in args.onednn:
             for threads in args.threads:
                 env = dict(os.environ, FLAGS_use_mkldnn=str(onednn), OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
-                cmd = [sys.executable, "-m", "benchmarks.bench_threads", "--child", str(threads)]
+                cmd = [sys.executable, "-m", "scripts.bench_threads", "--child", str(threads)]
                 cmd += [str(args.batch), str(args.steps)]
                 running = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(procs)]
                 outs = [proc.communicate()[0] for proc in running]

@@ -2,8 +2,8 @@
 
 Nothing runs on a GPU; the hardware figures below are assumptions, explained in docs/performance.md.
 
-    python -m benchmarks.gpu_estimate           # tables
-    python -m benchmarks.gpu_estimate --json    # the same figures as JSON
+    python -m scripts.gpu_estimate           # tables
+    python -m scripts.gpu_estimate --json    # the same figures as JSON
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import paddle
 from paddle import nn
 from paddle.base import core
 
-from benchmarks.plain_loop import image_shape
 from paddle_mnist.config import PER_WORKER_BATCH
 from paddle_mnist.models import build_model, count_parameters
+from scripts.plain_loop import image_shape
 
 Costs = list[tuple[int, list[str]]]  # per layer, in forward call order: (multiply-adds per image, its parameter names)
 Buckets = list[list[tuple[str, int]]]  # in all-reduce order: [(parameter name, gradient bytes), ...]

@@ -1,6 +1,6 @@
 """The per-channel bias add of a convolution, forward and backward, in three layouts (one process, one thread).
 
-    python -m benchmarks.bench_bias_add
+    python -m scripts.bench_bias_add
 
 (1, C, 1, 1) is how nn.Conv2D adds its bias; (C, 1) on an (N, C, H*W) view is what models.add_channel_bias does;
 (C,) on an NHWC transpose is the channels-last alternative. Each figure is the median over 7 repeats of the mean
@@ -9,6 +9,7 @@ of 5 calls, in milliseconds.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ def layouts(x: paddle.Tensor, b: paddle.Tensor) -> dict:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     paddle.base.core.set_num_threads(1)
     print(f"{'shape':<18} {'layout':<24} {'forward ms':>10} {'backward ms':>11}")
     for shape in SHAPES:

@@ -1,9 +1,9 @@
 """Where one training step's time goes: paddle.profiler over a few steps of one model, operators by CPU time.
 
-    python -m benchmarks.profile_step --model mnist_cnn                 # the trainer's network, as the trainer runs it
-    python -m benchmarks.profile_step --model mnist_cnn --plain --no-mkl-setting   # the tutorial's layers, MKL as is
+    python -m scripts.profile_step --model mnist_cnn                 # the trainer's network, as the trainer runs it
+    python -m scripts.profile_step --model mnist_cnn --plain --no-mkl-setting   # the tutorial's layers, MKL as is
 
-The step is benchmarks/plain_loop.py's: forward, cross-entropy, backward, Momentum with L2 decay, clear_grad, on random
+The step is scripts/plain_loop.py's: forward, cross-entropy, backward, Momentum with L2 decay, clear_grad, on random
 batches of the dataset's shape, in one process with --threads math threads. --plain runs nn.Conv2D layers as the
 tutorial writes them (MnistCNN(plain=True); for the other models every Conv2D through nn.Conv2D's own forward).
 --no-mkl-setting leaves MKL's kernel choice as it is, instead of the trainer's (paddle_mnist/cpu.py).
@@ -36,8 +36,8 @@ def main() -> int:
     import paddle  # after the MKL setting, which MKL reads at its first call
     import paddle.profiler as profiler
 
-    from benchmarks import plain_loop
     from paddle_mnist import models
+    from scripts import plain_loop
 
     if args.model not in models.MODELS:
         p.error(f"--model: choose from {', '.join(models.MODELS)}")

@@ -1,7 +1,7 @@
 """Input pipeline alone (images/s, with and without augmentation) next to the training rate of the same setup, one run.
 
-    python -m benchmarks.bench_input                    # CIFAR-10, 2 workers, global batch 128
-    python -m benchmarks.bench_input --dataset fashion-mnist --workers 1
+    python -m scripts.bench_input                    # CIFAR-10, 2 workers, global batch 128
+    python -m scripts.bench_input --dataset fashion-mnist --workers 1
 
 CIFAR-10 comes from data/cifar10 (or --data-dir) when it is there; otherwise a full-size archive in the real
 format (50,000 + 10,000 random images, the real member names and pickle layout) is generated in a temporary

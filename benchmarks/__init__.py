@@ -1,1 +1,0 @@
-"""Benchmarks of the trainer and of plain Paddle loops; run from the repository root: python -m benchmarks.NAME."""
