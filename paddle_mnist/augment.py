@@ -22,13 +22,15 @@ POLICIES = {
     "fashion-mnist": Augment(pad=2, flip=True),
     "mnist": Augment(pad=2, flip=False),
     "mnist-json": Augment(pad=2, flip=False),
+    "folder": Augment(pad=2, flip=False),  # a user's classes may not be mirror-symmetric: flips only with --flip
 }
 
 
-def policy_for(dataset: str, shift: int | None = None) -> Augment:
-    """The dataset's policy, with the shift replaced by --shift when it is given."""
+def policy_for(dataset: str, shift: int | None = None, flip: bool = False) -> Augment:
+    """The dataset's policy, with the shift replaced by --shift when it is given; flip (--flip) turns flips on."""
     base = POLICIES[dataset]
-    return base if shift is None else dataclasses.replace(base, pad=shift)
+    base = base if shift is None else dataclasses.replace(base, pad=shift)
+    return dataclasses.replace(base, flip=True) if flip else base
 
 
 def describe(policy: Augment) -> str:

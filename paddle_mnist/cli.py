@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import os
@@ -11,9 +12,9 @@ from pathlib import Path
 
 import paddle
 
-from . import augment, checkpoint, cpu, data, distributed, engine, summary
+from . import augment, checkpoint, cpu, data, distributed, engine, folder, summary
 from .checkpoint import CheckpointStore
-from .config import Config, ConfigError, effective_lr, parse_args, resolve_for_world
+from .config import FOLDER, Config, ConfigError, effective_lr, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
 from .lock import RunLock
 from .log import get_logger, memory_mb
@@ -79,7 +80,7 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
 def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     if not cfg.augment:
         return "off"
-    return augment.describe(augment.policy_for(ds.name, cfg.shift))
+    return augment.describe(augment.policy_for(ds.name, cfg.shift, cfg.flip))
 
 
 def _choose_checkpoint(store: CheckpointStore, cfg: Config, env: DistEnv, log: logging.Logger) -> Path | None:
@@ -126,6 +127,39 @@ def _check_start(cfg: Config, env: DistEnv) -> int:
     return threads
 
 
+def _load_data(cfg: Config, env: DistEnv, log: logging.Logger) -> tuple[Config, data.Dataset]:
+    """The dataset, and the config with its class names (and for a folder the image size and channels it uses).
+
+    A folder is listed and checked by every rank; its cache is built by the first worker of each machine while the
+    others wait, and every rank learns whether that worked before any of them goes on.
+    """
+    if cfg.dataset != FOLDER:
+        ds = data.load_dataset(cfg.dataset, cfg.data_dir)
+        return dataclasses.replace(cfg, classes=ds.classes), ds
+    listing = folder.list_folder(cfg.data_dir)
+    request, cache = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
+    problem = None
+    if env.local_rank == 0:
+        try:
+            folder.ensure_cache(listing, request, cache, log)
+        except data.DataError as e:
+            problem = e
+    refused = distributed.all_reduce_sum([1.0 if problem else 0.0], env)[0]
+    if problem:
+        raise problem
+    if refused:
+        raise data.DataError("the folder was refused by the worker that decodes it; its message is in its log")
+    ds, manifest = folder.load(listing, request, cache)
+    width, height = manifest["size"]
+    if listing.ignored:
+        log.info(f"left out {len(listing.ignored)} files that are not images by their name, e.g. {listing.ignored[0]}")
+    if manifest["skipped"]:
+        log.warning(f"warning: left out {len(manifest['skipped'])} unreadable images: {'; '.join(manifest['skipped'])}")
+    log.info(f"classes ({len(ds.classes)}): {', '.join(ds.classes)}; images from the cache {cache}")
+    resolved = {"image_size": f"{width}x{height}", "channels": manifest["channels"], "classes": ds.classes}
+    return dataclasses.replace(cfg, **resolved), ds
+
+
 def _splits(cfg: Config, ds: data.Dataset) -> tuple[data.Split, data.Split, data.Split]:
     train, val, test = ds.train.head(cfg.train_limit), ds.val.head(cfg.eval_limit), ds.test.head(cfg.eval_limit)
     if len(train) < cfg.batch_size:
@@ -143,7 +177,7 @@ def run(
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
     lock = lock or RunLock(cfg.output_dir)
     threads = _check_start(cfg, env)
-    ds = data.load_dataset(cfg.dataset, cfg.data_dir)
+    cfg, ds = _load_data(cfg, env, log)
     train, val_split, test = _splits(cfg, ds)
     _log_start(log, cfg, env, ds, (train, val_split, test), threads)
     _agree_output_dir(cfg, env, lock, log)

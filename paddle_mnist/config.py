@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import augment, dashboard
 
-DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")
+DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")  # built in: downloaded or shipped in data/
+FOLDER = "folder"  # the user's own images (folder.py)
 AUGMENTED_BY_DEFAULT = ("cifar10",)  # the tutorials augmented CIFAR-10; MNIST-type data trains well without
 LR_SCHEDULES = ("poly", "constant")
 LR_SCALING = ("none", "linear")
@@ -64,6 +65,13 @@ class Config:
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
     timing_every: int = 25  # time the phases of every Nth step (0: off)
     profile_steps: str = ""  # "A:B": record optimizer steps A to B with paddle.profiler ("": off)
+    # --dataset folder only (docs/datasets.md, "Your own images")
+    image_size: str = ""  # "W" or "WxH"; "": the most common size in train/ (the run records the size it used)
+    channels: int = 0  # 1 or 3; 0: 1 when every training image is grey, else 3 (the run records the choice)
+    val_split: float = 0.1  # share of each class of train/ held out for validation when there is no val/
+    flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
+    skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
+    classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in once the data is loaded
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -95,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--dataset", default=d.dataset, choices=DATASETS, help="dataset to train on")
+    p.add_argument("--dataset", default=d.dataset, choices=(*DATASETS, FOLDER), help="dataset to train on")
     p.add_argument(
         "--data-dir",
         default=d.data_dir,
@@ -256,7 +264,79 @@ def build_parser() -> argparse.ArgumentParser:
         help="record optimizer steps A to B (counted from 1 over the whole run) with paddle.profiler on every worker; "
         "the trace and the operator table go to OUTPUT_DIR/profile/, the five costliest operators to the log",
     )
+    _add_folder_flags(p, d)
     return p
+
+
+def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
+    folder = p.add_argument_group("--dataset folder (your own images in DATA_DIR/train/<class>/...)")
+    folder.add_argument(
+        "--image-size",
+        default=d.image_size,
+        metavar="W[xH]",
+        help="resize every image to W x W or W x H pixels (default: the most common size in train/)",
+    )
+    folder.add_argument(
+        "--channels",
+        type=int,
+        default=d.channels,
+        choices=(0, 1, 3),
+        help="1 (grey) or 3 (RGB); 0: 1 when every training image is grey, else 3",
+    )
+    folder.add_argument(
+        "--val-split",
+        type=float,
+        default=d.val_split,
+        help="without DATA_DIR/val/: the share of each class of train/ held out for validation",
+    )
+    folder.add_argument(
+        "--flip",
+        action="store_true",
+        help="the classes are mirror-symmetric: --augment also flips training images, and --tta may be used "
+        "(a folder's classes are not flipped unless asked)",
+    )
+    folder.add_argument(
+        "--skip-bad-images",
+        action="store_true",
+        help="leave unreadable images out and list them in the log, instead of refusing the folder",
+    )
+    p.set_defaults(classes=d.classes)
+
+
+def image_size(text: str) -> tuple[int, int] | None:
+    """--image-size "W" or "WxH" as (width, height); None for "" (the folder's most common size)."""
+    if not text:
+        return None
+    try:
+        sides = [int(part) for part in text.lower().split("x")]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) < 1:
+        raise ConfigError(f"--image-size takes W or WxH in pixels, e.g. 64 or 64x48; got {text!r}")
+    return sides[0], sides[-1]
+
+
+def _check_folder_flags(cfg: Config) -> None:
+    if cfg.dataset != FOLDER:
+        given = [flag for flag, field in _FOLDER_FLAGS.items() if getattr(cfg, field) != getattr(Config(), field)]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise ConfigError(f"{', '.join(given)} {verb} to --dataset folder only: drop it or pass --dataset folder")
+        return
+    if not cfg.data_dir:
+        raise ConfigError("--dataset folder needs --data-dir: the folder holding train/<class>/ (and val/, test/)")
+    image_size(cfg.image_size)
+    if not 0 < cfg.val_split < 1:
+        raise ConfigError(f"--val-split is a share of train/ between 0 and 1, e.g. 0.1; got {cfg.val_split}")
+
+
+_FOLDER_FLAGS = {
+    "--image-size": "image_size",
+    "--channels": "channels",
+    "--val-split": "val_split",
+    "--flip": "flip",
+    "--skip-bad-images": "skip_bad_images",
+}
 
 
 def profile_window(text: str) -> tuple[int, int] | None:
@@ -292,9 +372,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
         )
     if not 0 <= cfg.target_acc <= 1:
         raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
-    if cfg.tta and not augment.POLICIES[cfg.dataset].flip:
+    _check_folder_flags(cfg)
+    if cfg.tta and not augment.policy_for(cfg.dataset, flip=cfg.flip).flip:
         raise ConfigError(
-            f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
+            "--tta mirrors the evaluation images, but a folder's classes are not taken for mirror-symmetric: "
+            "add --flip if they are, or drop --tta"
+            if cfg.dataset == FOLDER
+            else f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
             "(a mirrored digit is another shape): drop --tta"
         )
     if cfg.shift is not None and not cfg.augment:
@@ -339,4 +423,6 @@ def effective_lr(cfg: Config) -> float:
 def load_config(path: Path) -> Config:
     fields = {f.name for f in dataclasses.fields(Config)}
     raw = json.loads(Path(path).read_text())
+    if "classes" in raw:
+        raw["classes"] = tuple(raw["classes"])
     return Config(**{k: v for k, v in raw.items() if k in fields})

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import paddle
 
+from . import preprocess
 from .data import Dataset
 
 FORMAT_VERSION = 1
@@ -68,6 +69,7 @@ def export_inference(net: paddle.nn.Layer, ds: Dataset, prefix: Path, weights: s
             "mean": list(ds.mean),
             "std": list(ds.std),
             "files": written,
+            "preprocess": preprocess.SETTINGS,  # the function predict applies to every image (preprocess.to_pixels)
             "paddle": paddle.__version__,
         }
         if weights:

@@ -64,7 +64,7 @@ class MnistCNN(nn.Layer):
         self,
         num_classes: int = 10,
         in_channels: int = 1,
-        image_size: int = 28,
+        image_size: int | tuple[int, int] = 28,
         batch_norm: bool = False,
         plain: bool = False,
         hidden: int = 0,
@@ -84,7 +84,8 @@ class MnistCNN(nn.Layer):
 
         self.fused = not (batch_norm or plain)  # batch norm needs the whole map's statistics before the pool
         self.features = nn.Sequential(*block(in_channels), *block(20))
-        features = 20 * (image_size // 4) ** 2
+        height, width = _sides(image_size)
+        features = 20 * (height // 4) * (width // 4)
         self.hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU()) if hidden else None
         self.fc = nn.Linear(hidden or features, num_classes)
 
@@ -96,6 +97,11 @@ class MnistCNN(nn.Layer):
             x = self.features(x)
         x = paddle.flatten(x, 1)
         return self.fc(self.hidden(x) if self.hidden is not None else x)
+
+
+def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of a square side or of a (height, width) pair."""
+    return (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
 
 
 def conv_module(in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
@@ -151,9 +157,9 @@ class MiniGoogLeNet(nn.Layer):
         ("i", (176, 160)),
     )
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32):
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int | tuple[int, int] = 32):
         super().__init__()
-        if image_size < 28:
+        if min(_sides(image_size)) < 28:
             raise ValueError(f"minigooglenet needs images of at least 28x28, got {image_size}")
         layers = [conv_module(in_channels, 96, 3)]
         channels = 96
@@ -176,7 +182,7 @@ class MiniGoogLeNet(nn.Layer):
 class CifarCNN(nn.Layer):
     """The Keras CIFAR-10 example CNN: two (conv, conv, pool, dropout) blocks of 32 and 64 filters, dense 512."""
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32):
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int | tuple[int, int] = 32):
         super().__init__()
 
         def block(cin: int, cout: int) -> list[nn.Layer]:
@@ -191,9 +197,9 @@ class CifarCNN(nn.Layer):
             ]
 
         self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
-        side = ((image_size - 2) // 2 - 2) // 2
+        height, width = (((side - 2) // 2 - 2) // 2 for side in _sides(image_size))
         self.classifier = nn.Sequential(
-            nn.Linear(64 * side * side, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes)
+            nn.Linear(64 * height * width, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -212,9 +218,7 @@ MODELS = {
 def build_model(name: str, num_classes: int = 10, image_shape: tuple[int, int, int] = (1, 28, 28)) -> nn.Layer:
     """image_shape is (channels, height, width) of the dataset's images."""
     channels, height, width = image_shape
-    if height != width:
-        raise ValueError(f"{name} expects square images, got {height}x{width}")
-    return MODELS[name](num_classes=num_classes, in_channels=channels, image_size=height)
+    return MODELS[name](num_classes=num_classes, in_channels=channels, image_size=(height, width))
 
 
 def count_parameters(model: nn.Layer) -> int:

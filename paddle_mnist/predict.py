@@ -15,48 +15,18 @@ warnings.filterwarnings("ignore", message="No ccache found")
 
 import numpy as np  # noqa: E402
 import paddle  # noqa: E402
-from PIL import Image, ImageOps, UnidentifiedImageError  # noqa: E402
 
-from . import data  # noqa: E402
+from . import data, preprocess  # noqa: E402
 from .export import ExportError, load_exported  # noqa: E402
 
-MODES = {1: "L", 3: "RGB"}
 BATCH = 256  # images per forward pass, so memory stays flat however many files are given
-UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # what Pillow raises on bad files
 
 
 def load_image(path: str | os.PathLike, image_shape: Sequence[int]) -> np.ndarray:
-    """uint8 (C, H, W) as the model takes it, from any image file Pillow reads, of any size and mode.
-
-    The picture is turned upright by its EXIF orientation; transparency is flattened onto white, as a viewer
-    shows it; the result is converted to grey or RGB as the model needs and resized (stretched) to H x W.
-    """
+    """uint8 (C, H, W) as the model of image_shape (C, H, W) takes it, made by the trainer's own preprocessing
+    (preprocess.to_pixels: the same pixels the model saw in training)."""
     channels, height, width = image_shape
-    if channels not in MODES:
-        raise ValueError(f"models of {channels} channels are not supported; 1 (grey) or 3 (RGB) are")
-    with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im)
-        if im.mode in ("P", "PA", "LA", "RGBA") or "transparency" in im.info:
-            rgba = im.convert("RGBA")
-            im = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            im.alpha_composite(rgba)
-        im = im.convert(MODES[channels])
-        if im.size != (width, height):
-            im = im.resize((width, height), Image.Resampling.BILINEAR)
-        pixels = np.asarray(im, dtype=np.uint8)
-    return pixels.reshape(height, width, channels).transpose(2, 0, 1).copy()
-
-
-def _why(e: Exception) -> str:
-    if isinstance(e, FileNotFoundError):
-        return "no such file"
-    if isinstance(e, IsADirectoryError):
-        return "is a directory, not an image file"
-    if isinstance(e, PermissionError):
-        return "permission denied"
-    if isinstance(e, UnidentifiedImageError):
-        return "not an image Pillow can read"
-    return f"cannot read the image ({type(e).__name__}: {e})"
+    return preprocess.load_image(path, channels, (width, height))
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -91,8 +61,8 @@ def predict_images(
         for entry in chunk:
             try:
                 image = load_image(entry["image"], meta["image_shape"])
-            except UNREADABLE as e:
-                entry["error"] = _why(e)
+            except preprocess.UNREADABLE as e:
+                entry["error"] = preprocess.why_unreadable(e)
                 continue
             loaded.append((entry, 255 - image if invert else image))
         if loaded:

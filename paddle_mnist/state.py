@@ -110,8 +110,13 @@ class TrainState:
 
     def restore(self, contents: dict, path: Path) -> None:
         saved = contents.get("config", {})
-        for key in ("model", "dataset", "batch_size"):
-            if saved.get(key) != getattr(self.cfg, key):
+        if "classes" in saved and list(saved["classes"]) != list(self.cfg.classes):
+            raise ConfigError(
+                f"--resume: {path} was trained on the classes {', '.join(saved['classes'])}, and the data now has "
+                f"{', '.join(self.cfg.classes)}; restore the data's class folders, or pass another --output-dir"
+            )
+        for key in ("model", "dataset", "batch_size", "image_size", "channels"):
+            if key in saved and saved.get(key) != getattr(self.cfg, key):
                 flag = "--" + key.replace("_", "-")
                 raise ConfigError(
                     f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(self.cfg, key)}; "

@@ -1,0 +1,412 @@
+"""Your own images: DIR/train/<class>/ (val/, test/) listed and checked, decoded once into a memory-mapped cache."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from . import data, preprocess
+from .config import image_size
+from .formats import DataError
+
+CACHE_NAME = ".paddle_mnist-cache"  # inside --data-dir; elsewhere when that is read-only (cache_dir)
+MANIFEST = "manifest.json"
+FORMAT = 1  # of the cache's files; with preprocess.VERSION in every manifest
+VAL_NAMES = ("val", "valid")
+CHUNK = 256  # files per task of the decoding pool
+SHOWN = 3  # bad files named in one error line
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str  # relative to the folder, with forward slashes
+    size: int
+    mtime_ns: int
+    label: int
+
+    @property
+    def key(self) -> str:
+        """A fixed pseudo-random rank of the file, from its path alone: orders the cache and picks the hold-out."""
+        return hashlib.sha1(self.path.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Listing:
+    root: Path
+    classes: tuple[str, ...]
+    splits: dict[str, list[Entry]]  # "train", and "val" (val/ or valid/) and "test" when the folder has them
+    ignored: tuple[str, ...]  # files that are not images by their extension (e.g. notes.txt)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the command line asks of the cache: a change to any of these builds it anew."""
+
+    image_size: str  # "W", "WxH" or "" (the most common size in train/)
+    channels: int  # 1, 3 or 0 (grey when every image is)
+    val_split: float
+    skip_bad_images: bool
+
+    @classmethod
+    def of(cls, cfg) -> Request:
+        return cls(cfg.image_size, cfg.channels, cfg.val_split, cfg.skip_bad_images)
+
+
+def image_extensions() -> frozenset[str]:
+    """The extensions of every format Pillow can open (PNG, JPEG, BMP, GIF, WebP, TIFF, ...)."""
+    Image.init()
+    return frozenset(ext for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
+
+
+def _visible(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+
+
+def _class_files(folder: Path, extensions: frozenset[str], ignored: list[str], root: Path) -> list[Path]:
+    """The image files under folder, at any depth, sorted; the others' paths go to ignored."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            if name.startswith("."):
+                continue
+            if path.suffix.lower() in extensions:
+                found.append(path)
+            else:
+                ignored.append(path.relative_to(root).as_posix())
+    return found
+
+
+def _split_folder(root: Path, split: str) -> Path | None:
+    if split != "val":
+        return root / split if (root / split).is_dir() else None
+    present = [root / name for name in VAL_NAMES if (root / name).is_dir()]
+    if len(present) > 1:
+        raise DataError(f"{root} holds both val/ and valid/; keep one of them as the validation split")
+    return present[0] if present else None
+
+
+def list_folder(root: str | Path) -> Listing:
+    """Every image under root/train/<class>/ (and val/ or valid/, test/), checked for what training needs.
+
+    Class names are the sorted names of train/'s subfolders. Hidden files and folders are left out, and so are
+    files whose extension is not an image format's (listed in Listing.ignored). Raises DataError naming the problem.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"--data-dir {root}: no such folder; pass the folder that holds train/<class>/")
+    train_dir = root / "train"
+    if not train_dir.is_dir():
+        raise DataError(f"{root} has no train/ folder; put the training images in {train_dir}/<class name>/")
+    extensions = image_extensions()
+    loose = [p.name for p in _visible(train_dir) if p.is_file() and p.suffix.lower() in extensions]
+    if loose:
+        raise DataError(
+            f"{train_dir / loose[0]} is not in a class folder ({len(loose)} such images); "
+            f"move each image into {train_dir}/<class name>/"
+        )
+    classes = tuple(p.name for p in _visible(train_dir) if p.is_dir())
+    if not classes:
+        raise DataError(f"{train_dir} holds no images; put each class's images in {train_dir}/<class name>/")
+    if len(classes) < 2:
+        raise DataError(
+            f"{train_dir} holds one class folder ({classes[0]}/); a classifier needs at least two: "
+            f"add a folder of images for each class"
+        )
+    ignored: list[str] = []
+    splits: dict[str, list[Entry]] = {}
+    for split in ("train", "val", "test"):
+        folder = _split_folder(root, split)
+        if folder is None:
+            continue
+        names = [p.name for p in _visible(folder) if p.is_dir()]
+        unknown = [name for name in names if name not in classes]
+        if unknown:
+            raise DataError(
+                f"{folder / unknown[0]}: a class that train/ lacks (train/ has {', '.join(classes)}); "
+                f"rename it to one of those, or add {train_dir / unknown[0]}/ with training images"
+            )
+        entries = []
+        for name in names:
+            files = _class_files(folder / name, extensions, ignored, root)
+            if not files:
+                raise DataError(
+                    f"{folder / name} holds no images (an image is a file Pillow can open, e.g. .png or .jpg); "
+                    "add images or remove the folder"
+                )
+            for path in files:
+                st = path.stat()
+                rel = path.relative_to(root).as_posix()
+                entries.append(Entry(rel, st.st_size, st.st_mtime_ns, classes.index(name)))
+        splits[split] = entries
+    return Listing(root, classes, splits, tuple(ignored))
+
+
+def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:
+    """The files of each split of the dataset, in the cache's order (by Entry.key).
+
+    Without val/, each class's val_split share of train/ (rounded, its files first by Entry.key) is held out for
+    validation: a choice made from the paths alone, the same on every worker, every resume and every --seed.
+    """
+    plan = {split: sorted(entries, key=lambda e: e.key) for split, entries in listing.splits.items()}
+    if "val" not in plan:
+        by_class = collections.defaultdict(list)
+        for entry in plan["train"]:
+            by_class[entry.label].append(entry)
+        held = {e.path for entries in by_class.values() for e in entries[: round(val_split * len(entries))]}
+        if not held:
+            raise DataError(
+                f"{listing.root / 'train'}: --val-split {val_split} holds out no image of so few; "
+                f"add a val/ folder, or raise --val-split"
+            )
+        plan["val"] = [e for e in plan["train"] if e.path in held]
+        plan["train"] = [e for e in plan["train"] if e.path not in held]
+    return plan
+
+
+def default_cache_dir(root: Path) -> Path:
+    """root/.paddle_mnist-cache, or, when root is not writable, one under the user's cache folder."""
+    root = root.resolve()
+    if os.access(root, os.W_OK):
+        return root / CACHE_NAME
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return home / "paddle_mnist" / f"folder-{hashlib.sha1(str(root).encode()).hexdigest()[:16]}"
+
+
+def _identity(listing: Listing, request: Request) -> dict:
+    """What a cache must have been built from to be used: the files (path, size, mtime) and the settings."""
+    return {
+        "format": FORMAT,
+        "preprocess": preprocess.VERSION,
+        "request": [request.image_size, request.channels, request.val_split, request.skip_bad_images],
+        "classes": list(listing.classes),
+        "files": {s: [[e.path, e.size, e.mtime_ns] for e in entries] for s, entries in listing.splits.items()},
+    }
+
+
+def read_manifest(cache: Path) -> dict | None:
+    try:
+        return json.loads((cache / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_fresh(cache: Path, listing: Listing, request: Request) -> bool:
+    manifest = read_manifest(cache)
+    return manifest is not None and manifest.get("identity") == _identity(listing, request)
+
+
+# ---- the decoding pool's work: module-level functions, so that the pool's processes can run them ----
+
+
+def _header(path: str) -> tuple[int, int, bool] | str:
+    """(width, height, grey) of an image file, or why it cannot be read."""
+    try:
+        with preprocess.open_image(path) as im:
+            return im.size[0], im.size[1], preprocess.is_grey(im)
+    except FileNotFoundError:
+        return "vanished after the folder was listed"
+    except preprocess.UNREADABLE as e:
+        return preprocess.why_unreadable(e)
+
+
+def _decode(task: tuple[str, int, list[str], int, tuple[int, int]]) -> list[tuple[int, str]]:
+    """Decode a run of files into rows start.. of the .npy at array; [(row, why)] for those that failed."""
+    array, start, paths, channels, size = task
+    out = np.load(array, mmap_mode="r+")
+    failed = []
+    for row, path in enumerate(paths, start=start):
+        try:
+            out[row] = preprocess.load_image(path, channels, size)
+        except FileNotFoundError:
+            failed.append((row, "vanished after the folder was listed"))
+        except preprocess.UNREADABLE as e:
+            failed.append((row, preprocess.why_unreadable(e)))
+    out.flush()
+    return failed
+
+
+def _pool(processes: int):
+    # fork: the workers need only Pillow and numpy, already loaded; spawn would import the trainer anew in each
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return multiprocessing.get_context(method).Pool(processes)
+
+
+def _refuse_bad(bad: list[tuple[str, str]], request: Request) -> None:
+    if bad and not request.skip_bad_images:
+        path, why = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise DataError(
+            f"{path}: {why}{more}; remove or replace the file, or pass --skip-bad-images to train without it"
+        )
+
+
+def _choose(headers: dict, plan: dict, request: Request, log: logging.Logger) -> tuple[tuple[int, int], int]:
+    """(width, height) and channels: as requested, or the defaults, logged with the reason."""
+    size = image_size(request.image_size)
+    if size is None:
+        counts = collections.Counter(headers[e.path][:2] for e in plan["train"] if e.path in headers)
+        size, n = counts.most_common(1)[0]
+        log.info(f"image size {size[0]}x{size[1]}: the most common size in train/ ({n} of {sum(counts.values())})")
+    channels = request.channels
+    if not channels:
+        grey = all(h[2] for h in headers.values())
+        channels = 1 if grey else 3
+        log.info(f"channels {channels}: " + ("every image is grey" if grey else "some images are in colour"))
+    return size, channels
+
+
+def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, processes: int = 0) -> None:
+    """Decode every image into cache/<split>.npy (uint8, N x C x H x W) with labels and a manifest.
+
+    All of it is written into a temporary folder beside cache and renamed into place at the end, so a cache
+    folder is always whole; on any error the temporary folder is removed and the old cache is left as it was.
+    """
+    plan = plan_splits(listing, request.val_split)
+    started = time.perf_counter()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.parent / f"{cache.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    processes = processes or os.cpu_count() or 1
+    try:
+        with _pool(processes) as pool:
+            every = [e for entries in plan.values() for e in entries]
+            found = pool.map(_header, [str(listing.root / e.path) for e in every], chunksize=CHUNK)
+            headers = {e.path: h for e, h in zip(every, found) if not isinstance(h, str)}
+            bad = [(str(listing.root / e.path), h) for e, h in zip(every, found) if isinstance(h, str)]
+            _refuse_bad(bad, request)
+            plan = {s: [e for e in entries if e.path in headers] for s, entries in plan.items()}
+            _check_not_empty(plan, len(bad))
+            size, channels = _choose(headers, plan, request, log)
+            tmp.mkdir()
+            _check_space(tmp, sum(map(len, plan.values())) * channels * size[0] * size[1])
+            failed = _decode_all(pool, listing.root, plan, tmp, channels, size)
+        _refuse_bad([(str(listing.root / p), why) for p, why in failed], request)
+        bad += [(str(listing.root / p), why) for p, why in failed]
+        if failed:
+            plan = _drop_rows(tmp, plan, {p for p, _ in failed})
+        mean, std = data.channel_stats(np.load(tmp / "train.npy", mmap_mode="r"))
+        manifest = {
+            "identity": _identity(listing, request),
+            "size": list(size),
+            "channels": channels,
+            "counts": {s: len(entries) for s, entries in plan.items()},
+            "mean": mean,
+            "std": std,
+            "skipped": [f"{path}: {why}" for path, why in bad],
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
+        _publish(tmp, cache)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    n = sum(manifest["counts"].values())
+    seconds = time.perf_counter() - started
+    log.info(f"decoded {n} images in {seconds:.1f} s ({n / seconds:.0f} images/s, {processes} processes) into {cache}")
+
+
+def _check_space(folder: Path, nbytes: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if nbytes > free:
+        raise DataError(
+            f"the decoded images need {nbytes / 2**30:.1f} GiB in {folder.parent}, {free / 2**30:.1f} GiB are free; "
+            "pass a smaller --image-size, or free space"
+        )
+
+
+def _decode_all(pool, root: Path, plan: dict, tmp: Path, channels: int, size: tuple[int, int]) -> list:
+    """Decode every split into tmp/<split>.npy in parallel; [(path, why)] of the files that failed."""
+    tasks, rows = [], {}
+    for split, entries in plan.items():
+        array = tmp / f"{split}.npy"
+        np.lib.format.open_memmap(array, "w+", np.uint8, (len(entries), channels, size[1], size[0])).flush()
+        np.save(tmp / f"{split}-labels.npy", np.array([e.label for e in entries], np.int64))
+        for lo in range(0, len(entries), CHUNK):
+            paths = [str(root / e.path) for e in entries[lo : lo + CHUNK]]
+            tasks.append((str(array), lo, paths, channels, size))
+        rows[str(array)] = entries
+    failed = []
+    for task, result in zip(tasks, pool.imap(_decode, tasks)):
+        failed += [(rows[task[0]][row].path, why) for row, why in result]
+    return failed
+
+
+def _drop_rows(tmp: Path, plan: dict, dropped: set[str]) -> dict:
+    """Rewrite each split's arrays without the rows of dropped files (--skip-bad-images); the new plan."""
+    kept_plan = {}
+    for split, entries in plan.items():
+        keep = np.array([e.path not in dropped for e in entries])
+        kept_plan[split] = [e for e, k in zip(entries, keep) if k]
+        if keep.all():
+            continue
+        old = np.load(tmp / f"{split}.npy", mmap_mode="r")
+        new = np.lib.format.open_memmap(tmp / f"{split}.new.npy", "w+", np.uint8, (int(keep.sum()), *old.shape[1:]))
+        at = 0
+        for lo in range(0, len(old), 4096):
+            block = old[lo : lo + 4096][keep[lo : lo + 4096]]
+            new[at : at + len(block)] = block
+            at += len(block)
+        new.flush()
+        del old, new
+        os.replace(tmp / f"{split}.new.npy", tmp / f"{split}.npy")
+        np.save(tmp / f"{split}-labels.npy", np.array([e.label for e in kept_plan[split]], np.int64))
+    _check_not_empty(kept_plan, len(dropped))
+    return kept_plan
+
+
+def _check_not_empty(plan: dict, bad: int) -> None:
+    empty = [split for split, entries in plan.items() if not entries]
+    if empty:
+        raise DataError(f"no readable image is left in {empty[0]} ({bad} unreadable files skipped); replace them")
+
+
+def _publish(tmp: Path, cache: Path) -> None:
+    """Put the finished tmp folder where the cache lives; an older cache is moved aside first, then removed."""
+    old = cache.parent / f"{cache.name}.old{os.getpid()}"
+    if cache.exists():
+        os.replace(cache, old)
+    try:
+        os.replace(tmp, cache)
+    except OSError:  # another builder's cache landed first (a second machine on shared storage): keep theirs
+        pass
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def ensure_cache(listing: Listing, request: Request, cache: Path, log: logging.Logger) -> None:
+    """Build the cache unless a fresh one is there (made from these very files with these settings)."""
+    if is_fresh(cache, listing, request):
+        return
+    reason = "no cache yet" if read_manifest(cache) is None else "the files or the settings changed"
+    n = sum(map(len, listing.splits.values()))
+    log.info(f"decoding {n} images of {listing.root} into a cache ({reason})")
+    build(listing, request, cache, log)
+
+
+def load(listing: Listing, request: Request, cache: Path) -> tuple[data.Dataset, dict]:
+    """The dataset, memory-mapped from a fresh cache, and the cache's manifest; DataError if it is not fresh."""
+    manifest = read_manifest(cache)
+    if manifest is None or manifest.get("identity") != _identity(listing, request):
+        raise DataError(
+            f"{cache}: the cache does not match the files this worker sees in {listing.root}; on several machines, "
+            "give each the same files (or put --data-dir on storage they share), then start again"
+        )
+
+    def split(name: str) -> data.Split:
+        images = np.load(cache / f"{name}.npy", mmap_mode="r")
+        return data.Split(images, np.load(cache / f"{name}-labels.npy"))
+
+    train, val = split("train"), split("val")
+    test = split("test") if "test" in manifest["counts"] else val
+    ds = data.Dataset("folder", train, val, test, tuple(manifest["mean"]), tuple(manifest["std"]), listing.classes)
+    return ds, manifest
