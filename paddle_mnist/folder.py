@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,10 +240,25 @@ def _decode(task: tuple[str, int, list[str], int, tuple[int, int]]) -> list[tupl
     return failed
 
 
+def _quiet_worker() -> None:
+    """A decoding process leaves stopping to the trainer: a forked child inherits the trainer's wakeup fd
+    (preempt.StopSignals), through which the pool's own SIGTERM to its workers would reach the trainer as a stop."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends the pool
+
+
+@contextlib.contextmanager
 def _pool(processes: int):
     # fork: the workers need only Pillow and numpy, already loaded; spawn would import the trainer anew in each
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return multiprocessing.get_context(method).Pool(processes)
+    pool = multiprocessing.get_context(method).Pool(processes, initializer=_quiet_worker)
+    try:
+        yield pool
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 def _refuse_bad(bad: list[tuple[str, str]], request: Request) -> None:

@@ -1,0 +1,414 @@
+"""Your own images (--dataset folder): listing, checks, preprocessing, the cache, and real runs on a folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import explain, launch_env, param_digest, read_metrics, run_launch, run_single, weights, worker_log
+from PIL import Image
+
+from paddle_mnist import augment, data, folder, preprocess
+from paddle_mnist.config import ConfigError, parse_args
+from paddle_mnist.formats import DataError
+
+# Fashion-MNIST labels -> class folder names, with spaces and letters outside ASCII
+CLASSES = {0: "T-shirt top", 1: "Trouser", 5: "Sandalé", 9: "Ankle boot ü"}
+LOG = logging.getLogger("test_folder")
+
+
+@pytest.fixture(scope="module")
+def fashion() -> data.Split:
+    return data.load_dataset("fashion-mnist").train
+
+
+def write_split(root: Path, split: str, fashion: data.Split, per_class: int, offset: int = 0) -> None:
+    """per_class images of each class in CLASSES, every other one PNG, the others JPEG."""
+    for label, name in CLASSES.items():
+        (root / split / name).mkdir(parents=True, exist_ok=True)
+        rows = np.flatnonzero(fashion.labels == label)[offset : offset + per_class]
+        for k, row in enumerate(rows):
+            ext = "png" if k % 2 == 0 else "jpg"
+            Image.fromarray(fashion.images[row, 0]).save(root / split / name / f"{row}.{ext}")
+
+
+def make_folder(root: Path, fashion: data.Split, train: int = 8, val: int = 0, test: int = 0) -> Path:
+    write_split(root, "train", fashion, train)
+    if val:
+        write_split(root, "val", fashion, val, offset=train)
+    if test:
+        write_split(root, "test", fashion, test, offset=train + val)
+    return root
+
+
+def request(**kw) -> folder.Request:
+    return folder.Request(**{"image_size": "", "channels": 0, "val_split": 0.25, "skip_bad_images": False, **kw})
+
+
+def build(root: Path, req: folder.Request | None = None) -> tuple[data.Dataset, dict]:
+    listing, req = folder.list_folder(root), req or request()
+    cache = folder.default_cache_dir(root)
+    folder.ensure_cache(listing, req, cache, LOG)
+    return folder.load(listing, req, cache)
+
+
+# ---- listing and its checks ----
+
+
+def test_listing_sorts_classes_and_leaves_out_what_is_not_an_image(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=2)
+    (root / "train" / "Trouser" / "notes.txt").write_text("not an image")
+    (root / "train" / "Trouser" / ".hidden.png").write_bytes(b"")
+    (root / "train" / "Trouser" / "nested").mkdir()
+    Image.fromarray(fashion.images[1, 0]).save(root / "train" / "Trouser" / "nested" / "deep.bmp")
+    listing = folder.list_folder(root)
+    assert listing.classes == tuple(sorted(CLASSES.values()))
+    assert len(listing.splits["train"]) == 17 and len(listing.splits["val"]) == 8 and "test" not in listing.splits
+    assert listing.ignored == ("train/Trouser/notes.txt",)
+    trouser = listing.classes.index("Trouser")
+    assert {e.label for e in listing.splits["train"] if "/Trouser/" in e.path} == {trouser}
+
+
+def test_valid_folder_serves_as_val(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=2)
+    (root / "val").rename(root / "valid")
+    assert len(folder.list_folder(root).splits["val"]) == 8
+
+
+def _empty_class(root: Path) -> None:
+    (root / "train" / "Empty").mkdir()
+
+
+def _unknown_val_class(root: Path) -> None:
+    (root / "val" / "Hat").mkdir(parents=True)
+    (root / "train" / "Trouser").replace(root / "val" / "Hat" / "x")
+
+
+def _one_class(root: Path) -> None:
+    for name in list(CLASSES.values())[1:]:
+        for p in (root / "train" / name).iterdir():
+            p.unlink()
+        (root / "train" / name).rmdir()
+
+
+def _no_images(root: Path) -> None:
+    for name in CLASSES.values():
+        for p in (root / "train" / name).iterdir():
+            p.unlink()
+        (root / "train" / name).rmdir()
+
+
+def _loose_image(root: Path) -> None:
+    Image.new("L", (28, 28)).save(root / "train" / "stray.png")
+
+
+def _both_val_folders(root: Path) -> None:
+    (root / "val" / "Trouser").mkdir(parents=True)
+    (root / "valid" / "Trouser").mkdir(parents=True)
+
+
+def _no_train(root: Path) -> None:
+    (root / "train").rename(root / "training")
+
+
+BAD_LAYOUTS = {
+    "empty class": (_empty_class, "train/Empty holds no images"),
+    "val class train lacks": (_unknown_val_class, "val/Hat: a class that train/ lacks"),
+    "one class": (_one_class, "holds one class folder (T-shirt top/); a classifier needs at least two"),
+    "no images": (_no_images, "holds no images; put each class's images in"),
+    "image outside a class": (_loose_image, "train/stray.png is not in a class folder"),
+    "val and valid": (_both_val_folders, "holds both val/ and valid/"),
+    "no train folder": (_no_train, "has no train/ folder"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS)
+def test_bad_layouts_are_refused_with_one_line(tmp_path, fashion, case):
+    root = make_folder(tmp_path / "d", fashion, train=2)
+    breaks, message = BAD_LAYOUTS[case]
+    breaks(root)
+    with pytest.raises(DataError) as e:
+        folder.list_folder(root)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hold_out_is_stratified_and_fixed_by_the_paths(tmp_path, fashion):
+    listing = folder.list_folder(make_folder(tmp_path / "d", fashion, train=8))
+    plan = folder.plan_splits(listing, 0.25)
+    assert len(plan["val"]) == 8 and len(plan["train"]) == 24
+    for label in range(4):  # a quarter of every class
+        assert sum(e.label == label for e in plan["val"]) == 2
+    assert folder.plan_splits(listing, 0.25) == plan
+    assert not {e.path for e in plan["val"]} & {e.path for e in plan["train"]}
+
+
+# ---- preprocessing ----
+
+
+def test_preprocessing_modes_to_the_same_pixels(tmp_path):
+    grey = (np.arange(24 * 32) % 256).astype(np.uint8).reshape(24, 32)
+    Image.fromarray(grey).save(tmp_path / "grey.png")
+    Image.fromarray(grey.astype(np.uint16) * 257).save(tmp_path / "wide.png")  # 16-bit grey
+    rgba = np.zeros((24, 32, 4), np.uint8)  # fully transparent: white after compositing
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "clear.png")
+    frames = [Image.fromarray(grey).convert("P"), Image.new("P", (32, 24), 7)]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+
+    plain = preprocess.load_image(tmp_path / "grey.png", 1, (32, 24))
+    assert plain.shape == (1, 24, 32) and plain.dtype == np.uint8
+    np.testing.assert_array_equal(plain[0], grey)
+    assert Image.open(tmp_path / "wide.png").mode.startswith("I")
+    np.testing.assert_array_equal(preprocess.load_image(tmp_path / "wide.png", 1, (32, 24)), plain)
+    assert np.all(preprocess.load_image(tmp_path / "clear.png", 3, (32, 24)) == preprocess.BACKGROUND)
+    first = preprocess.load_image(tmp_path / "anim.gif", 3, (32, 24))
+    assert first.shape == (3, 24, 32) and first[:, 0, 0].tolist() == [0, 0, 0] and first[0, -1, -1] > 200
+    small = preprocess.load_image(tmp_path / "grey.png", 1, (16, 12))
+    assert small.shape == (1, 12, 16)
+
+
+def _bomb(path: Path) -> None:
+    """A PNG whose header claims 30000 x 30000 pixels: Image.open refuses it before decoding any pixel."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    )
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+# ---- the cache ----
+
+
+def test_cache_is_built_once_and_used_while_fresh(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=8, val=2)
+    ds, manifest = build(root)
+    cache = folder.default_cache_dir(root)
+    assert cache == root.resolve() / folder.CACHE_NAME
+    assert isinstance(ds.train.images, np.memmap) and ds.image_shape == (1, 28, 28)
+    assert (len(ds.train), len(ds.val)) == (32, 8) and ds.val_is_test
+    assert ds.classes == tuple(sorted(CLASSES.values())) and manifest["channels"] == 1
+    # the PNG rows hold the very pixels of the idx file
+    entry = folder.plan_splits(folder.list_folder(root), 0.25)["train"][0]  # row 0 of the cache
+    assert entry.label == ds.train.labels[0]
+    np.testing.assert_array_equal(ds.train.images[0], preprocess.load_image(root / entry.path, 1, (28, 28)))
+    mtime = (cache / folder.MANIFEST).stat().st_mtime_ns
+    build(root)
+    assert (cache / folder.MANIFEST).stat().st_mtime_ns == mtime  # fresh: not rebuilt
+
+
+def _add(root: Path) -> None:
+    Image.new("L", (28, 28), 9).save(root / "train" / "Trouser" / "new.png")
+
+
+def _remove(root: Path) -> None:
+    next((root / "train" / "Trouser").glob("*.png")).unlink()
+
+
+def _change(root: Path) -> None:
+    path = next((root / "train" / "Trouser").glob("*.png"))
+    Image.new("L", (28, 28), 200).save(path)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+
+
+@pytest.mark.parametrize("edit", [_add, _remove, _change], ids=["added", "removed", "changed"])
+def test_cache_goes_stale_when_a_file_changes(tmp_path, fashion, edit):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    before, _ = build(root)
+    cache = folder.default_cache_dir(root)
+    edit(root)
+    listing = folder.list_folder(root)
+    assert not folder.is_fresh(cache, listing, request())
+    with pytest.raises(DataError, match="the cache does not match the files"):
+        folder.load(listing, request(), cache)  # a stale cache is never read
+    after, _ = build(root)
+    assert len(after.train) == len(listing.splits["train"])
+    if edit is _change:
+        assert {int(x.max()) for x in after.train.images} != {int(x.max()) for x in before.train.images}
+
+
+def test_other_settings_rebuild_and_defaults_follow_the_files(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(root / "train" / "Trouser" / "colour.png")
+    ds, manifest = build(root)
+    assert manifest["size"] == [28, 28] and ds.image_shape == (3, 28, 28)  # the most common size; one is colour
+    ds, manifest = build(root, request(image_size="20x12", channels=1))
+    assert ds.image_shape == (1, 12, 20) and manifest["size"] == [20, 12]
+    assert not list(root.resolve().glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
+
+
+@pytest.mark.parametrize(
+    "breaks,why",
+    [(_truncate, "cannot read the image"), (_bomb, "a decompression bomb"), (Path.unlink, "vanished after")],
+    ids=["truncated", "bomb", "vanished"],
+)
+def test_unreadable_files_are_named_and_the_old_cache_kept(tmp_path, fashion, breaks, why):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    build(root)
+    cache = folder.default_cache_dir(root)
+    old = (cache / folder.MANIFEST).read_text()
+    victim = root / "train" / "Trouser" / "bad.png"
+    if breaks is _bomb:
+        _bomb(victim)
+    else:
+        Image.fromarray(fashion.images[0, 0]).resize((64, 64)).save(victim)
+    listing = folder.list_folder(root)  # listed before it breaks: a file that vanishes after is caught too
+    if breaks is not _bomb:
+        breaks(victim)
+    with pytest.raises(DataError) as e:
+        folder.ensure_cache(listing, request(), cache, LOG)
+    line = str(e.value)
+    assert line.startswith(str(victim)) and why in line and "--skip-bad-images" in line and "\n" not in line
+    assert (cache / folder.MANIFEST).read_text() == old
+    assert not list(root.resolve().glob(f"{folder.CACHE_NAME}.*"))
+
+
+def test_skip_bad_images_trains_without_them_and_lists_them(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    victim = root / "train" / "Trouser" / "bad.jpg"
+    Image.fromarray(fashion.images[0, 0]).save(victim)
+    _truncate(victim)
+    ds, manifest = build(root, request(skip_bad_images=True))
+    assert len(ds.train) == 16 and len(ds.train.labels) == 16
+    assert len(manifest["skipped"]) == 1 and manifest["skipped"][0].startswith(str(victim))
+
+
+# ---- flags ----
+
+
+def test_folder_flags(tmp_path):
+    base = ["--dataset", "folder", "--data-dir", str(tmp_path)]
+    assert parse_args([*base, "--image-size", "64x48"]).image_size == "64x48"
+    for argv, message in [
+        ([*base, "--image-size", "64x"], "--image-size takes W or WxH"),
+        (["--image-size", "64"], "--image-size applies to --dataset folder only"),
+        (["--dataset", "folder"], "--dataset folder needs --data-dir"),
+        ([*base, "--val-split", "1"], "--val-split is a share"),
+        ([*base, "--tta"], "add --flip if they are"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_args(argv)
+    assert parse_args([*base, "--tta", "--flip"]).tta
+    assert not augment.policy_for("folder").flip and augment.policy_for("folder", flip=True).flip
+
+
+# ---- real runs ----
+
+SMALL = ["--dataset", "folder", "--batch-size", "32", "--epochs", "2", "--log-every", "4", "--image-size", "20"]
+SMALL += ["--val-split", "0.2", "--save-every-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, fashion):
+    """Two workers, then one process, on a folder without val/ (a held-out share) with a test/: the two-worker
+    run finds no cache and builds it on rank 0; the one-process run reuses it. The tutorial's CNN without
+    augmentation, so the two runs compute the same sums (batch norm's statistics and the augmentation's draws are
+    each worker's own); --tta needs --flip on a folder."""
+    root = tmp_path_factory.mktemp("runs")
+    images = make_folder(root / "images", fashion, train=80, test=10)
+    args = [*SMALL, "--data-dir", str(images), "--model", "mnist_cnn", "--tta", "--flip"]
+    two = run_launch([*args, "--output-dir", str(root / "two")], cwd=root, log_dir=root / "log")
+    assert two.returncode == 0, explain(two, root / "log")
+    one = run_single([*args, "--output-dir", str(root / "one")], cwd=root)
+    assert one.returncode == 0, explain(one)
+    (root / "one.log").write_text(one.stdout + one.stderr)
+    return root
+
+
+@pytest.mark.slow
+def test_two_workers_equal_one_process_on_a_folder(runs):
+    logs = [worker_log(runs / "log", r) for r in (0, 1)]
+    assert "decoding 360 images" in logs[0] and "decoding" not in logs[1]  # rank 0 built, rank 1 waited
+    assert "decoding" not in (runs / "one.log").read_text()  # the cache was fresh
+    assert param_digest(logs[0]) == param_digest(logs[1])
+    one, two = weights(runs / "one" / "model.pdparams"), weights(runs / "two" / "model.pdparams")
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], atol=1e-5, rtol=0, err_msg=name)
+    rows = read_metrics(runs / "two")
+    assert [r["step"] for r in rows] == [8, 16] and rows[-1]["val_count"] == 64
+    config = json.loads((runs / "two" / "config.json").read_text())
+    assert config["classes"] == sorted(CLASSES.values()) and config["image_size"] == "20x20"
+    assert config["channels"] == 1
+    assert json.loads((runs / "two" / "results.json").read_text())["test_count"] == 40
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_on_a_folder_equals_the_uninterrupted_run(runs):
+    """With the default network (batch norm) and --augment --flip, in one process."""
+    args = [*SMALL, "--data-dir", str(runs / "images"), "--augment", "--flip"]
+    full = run_single([*args, "--output-dir", str(runs / "full")], cwd=runs)
+    assert full.returncode == 0, explain(full)
+    part = run_single([*args, "--output-dir", str(runs / "part"), "--max-steps", "12"], cwd=runs)
+    assert part.returncode == 0, explain(part)
+    again = run_single([*args, "--output-dir", str(runs / "part"), "--resume"], cwd=runs)
+    assert again.returncode == 0, explain(again)
+    assert "resumed from" in again.stdout + again.stderr
+    a, b = weights(runs / "full" / "model.pdparams"), weights(runs / "part" / "model.pdparams")
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    assert read_metrics(runs / "part")[-1]["val_acc"] == read_metrics(runs / "full")[-1]["val_acc"]
+
+
+@pytest.mark.slow
+def test_predict_names_the_folders_classes(runs):
+    root = runs
+    meta = json.loads((root / "two" / "inference_meta.json").read_text())
+    assert meta["classes"] == sorted(CLASSES.values()) and meta["image_shape"] == [1, 20, 20]
+    images = sorted((root / "images" / "test" / "Sandalé").iterdir())[:2]
+    cmd = [sys.executable, "-m", "paddle_mnist.predict", "--model", str(root / "two" / "inference"), "--json"]
+    proc = subprocess.run([*cmd, "--image", *map(str, images)], env=launch_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert [r["image"] for r in results] == [str(p) for p in images]
+    for r in results:
+        assert {t["name"] for t in r["top"]} <= set(CLASSES.values()) and len(r["top"]) == 3
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "error:" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "breaks,message",
+    [
+        (lambda root: _truncate(next((root / "train" / "Trouser").glob("*.jpg"))), "cannot read the image"),
+        (_unknown_val_class, "a class that train/ lacks"),
+        (_empty_class, "holds no images"),
+    ],
+    ids=["truncated", "val class train lacks", "empty class"],
+)
+def test_bad_folder_through_the_command(tmp_path, fashion, breaks, message):
+    root = make_folder(tmp_path / "d", fashion, train=2, val=1)
+    breaks(root)
+    proc = run_single(["--dataset", "folder", "--data-dir", str(root), "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = _error_lines(proc.stdout + proc.stderr)
+    assert message in line and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists() and not (root / folder.CACHE_NAME).exists()
+
+
+@pytest.mark.slow
+def test_bad_file_stops_both_workers(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=2, val=1)
+    _truncate(next((root / "train" / "Trouser").glob("*.jpg")))
+    args = ["--dataset", "folder", "--data-dir", str(root), "--output-dir", str(tmp_path / "o")]
+    proc = run_launch(args, cwd=tmp_path, log_dir=tmp_path / "log")
+    assert proc.returncode == 2, explain(proc, tmp_path / "log")
+    (own,) = _error_lines(worker_log(tmp_path / "log", 0))
+    (other,) = _error_lines(worker_log(tmp_path / "log", 1))
+    assert "cannot read the image" in own and "its message is in its log" in other
+    assert not (tmp_path / "o").exists()
