@@ -75,19 +75,24 @@ def _visible(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
 
 
-def _class_files(folder: Path, extensions: frozenset[str], ignored: list[str], root: Path) -> list[Path]:
-    """The image files under folder, at any depth, sorted; the others' paths go to ignored."""
+def _class_files(folder: str, rel: str, extensions: frozenset[str], ignored: list[str]) -> list[tuple[str, int, int]]:
+    """(relative path, size, mtime_ns) of the image files under folder, at any depth, sorted; the paths of the
+    other files go to ignored. rel is folder's path relative to the dataset's root, with forward slashes.
+
+    os.scandir and plain strings rather than pathlib: a start lists every file, and 70,000 Path objects cost
+    seconds."""
     found = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
-            path = Path(dirpath) / name
-            if name.startswith("."):
-                continue
-            if path.suffix.lower() in extensions:
-                found.append(path)
-            else:
-                ignored.append(path.relative_to(root).as_posix())
+    with os.scandir(folder) as it:
+        entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    for entry in entries:
+        path = f"{rel}/{entry.name}"
+        if entry.is_dir():
+            found += _class_files(entry.path, path, extensions, ignored)
+        elif os.path.splitext(entry.name)[1].lower() in extensions:
+            st = entry.stat()
+            found.append((path, st.st_size, st.st_mtime_ns))
+        else:
+            ignored.append(path)
     return found
 
 
@@ -142,16 +147,14 @@ def list_folder(root: str | Path) -> Listing:
             )
         entries = []
         for name in names:
-            files = _class_files(folder / name, extensions, ignored, root)
+            files = _class_files(str(folder / name), f"{folder.name}/{name}", extensions, ignored)
             if not files:
                 raise DataError(
                     f"{folder / name} holds no images (an image is a file Pillow can open, e.g. .png or .jpg); "
                     "add images or remove the folder"
                 )
-            for path in files:
-                st = path.stat()
-                rel = path.relative_to(root).as_posix()
-                entries.append(Entry(rel, st.st_size, st.st_mtime_ns, classes.index(name)))
+            label = classes.index(name)
+            entries += [Entry(path, size, mtime, label) for path, size, mtime in files]
         splits[split] = entries
     return Listing(root, classes, splits, tuple(ignored))
 
