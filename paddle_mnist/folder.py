@@ -27,6 +27,7 @@ MANIFEST = "manifest.json"
 FORMAT = 1  # of the cache's files; with preprocess.VERSION in every manifest
 VAL_NAMES = ("val", "valid")
 CHUNK = 256  # files per task of the decoding pool
+SAMPLE = 1000  # files of train/ whose headers choose the size and channels of the first decoding pass
 SHOWN = 3  # bad files named in one error line
 
 
@@ -227,20 +228,24 @@ def _header(path: str) -> tuple[int, int, bool] | str:
         return preprocess.why_unreadable(e)
 
 
-def _decode(task: tuple[str, int, list[str], int, tuple[int, int]]) -> list[tuple[int, str]]:
-    """Decode a run of files into rows start.. of the .npy at array; [(row, why)] for those that failed."""
+def _decode(task: tuple[str, int, list[str], int, tuple[int, int]]) -> list[tuple[int, int, bool] | str]:
+    """Decode a run of files into rows start.. of the .npy at array; per file its (width, height, grey) as it is
+    on disk, or why it cannot be read (its row is then left as zeros)."""
     array, start, paths, channels, size = task
     out = np.load(array, mmap_mode="r+")
-    failed = []
+    found: list[tuple[int, int, bool] | str] = []
     for row, path in enumerate(paths, start=start):
         try:
-            out[row] = preprocess.load_image(path, channels, size)
+            with preprocess.open_image(path) as im:
+                header = (im.size[0], im.size[1], preprocess.is_grey(im))
+                out[row] = preprocess.to_pixels(im, channels, size)
+            found.append(header)
         except FileNotFoundError:
-            failed.append((row, "vanished after the folder was listed"))
+            found.append("vanished after the folder was listed")
         except preprocess.UNREADABLE as e:
-            failed.append((row, preprocess.why_unreadable(e)))
+            found.append(preprocess.why_unreadable(e))
     out.flush()
-    return failed
+    return found
 
 
 def _quiet_worker() -> None:
@@ -273,56 +278,67 @@ def _refuse_bad(bad: list[tuple[str, str]], request: Request) -> None:
         )
 
 
-def _choose(headers: dict, plan: dict, request: Request, log: logging.Logger) -> tuple[tuple[int, int], int]:
-    """(width, height) and channels: as requested, or the defaults, logged with the reason."""
+def _choose(headers: dict, train: list[Entry], request: Request, log: logging.Logger | None) -> tuple:
+    """((width, height), channels): as requested, or the defaults from these headers, logged (when log is given)
+    with the reason."""
     size = image_size(request.image_size)
     if size is None:
-        counts = collections.Counter(headers[e.path][:2] for e in plan["train"] if e.path in headers)
+        counts = collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
         size, n = counts.most_common(1)[0]
-        log.info(f"image size {size[0]}x{size[1]}: the most common size in train/ ({n} of {sum(counts.values())})")
+        if log:
+            log.info(f"image size {size[0]}x{size[1]}: the most common size in train/ ({n} of {counts.total()})")
     channels = request.channels
     if not channels:
         grey = all(h[2] for h in headers.values())
         channels = 1 if grey else 3
-        log.info(f"channels {channels}: " + ("every image is grey" if grey else "some images are in colour"))
+        if log:
+            log.info(f"channels {channels}: " + ("every image is grey" if grey else "some images are in colour"))
     return size, channels
 
 
 def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, processes: int = 0) -> None:
     """Decode every image into cache/<split>.npy (uint8, N x C x H x W) with labels and a manifest.
 
+    One pass opens each file once: it decodes to the size and channels that a random sample of train/ (the first
+    SAMPLE files in the cache's order) calls for, and reads every file's size and mode on the way; in the rare
+    case that the whole folder's defaults differ from the sample's, a second pass decodes again.
+
     All of it is written into a temporary folder beside cache and renamed into place at the end, so a cache
     folder is always whole; on any error the temporary folder is removed and the old cache is left as it was.
     """
     plan = plan_splits(listing, request.val_split)
-    started = time.perf_counter()
+    root, started = listing.root, time.perf_counter()
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.parent / f"{cache.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     processes = processes or os.cpu_count() or 1
     try:
         with _pool(processes) as pool:
-            every = [e for entries in plan.values() for e in entries]
-            found = pool.map(_header, [str(listing.root / e.path) for e in every], chunksize=CHUNK)
-            headers = {e.path: h for e, h in zip(every, found) if not isinstance(h, str)}
-            bad = [(str(listing.root / e.path), h) for e, h in zip(every, found) if isinstance(h, str)]
-            _refuse_bad(bad, request)
-            plan = {s: [e for e in entries if e.path in headers] for s, entries in plan.items()}
-            _check_not_empty(plan, len(bad))
-            size, channels = _choose(headers, plan, request, log)
+            sample = plan["train"][:SAMPLE]
+            found = pool.map(_header, [str(root / e.path) for e in sample])
+            seen = {e.path: h for e, h in zip(sample, found) if not isinstance(h, str)}
+            guess = _choose(seen, sample, request, None) if seen else ((1, 1), 1)
             tmp.mkdir()
-            _check_space(tmp, sum(map(len, plan.values())) * channels * size[0] * size[1])
-            failed = _decode_all(pool, listing.root, plan, tmp, channels, size)
-        _refuse_bad([(str(listing.root / p), why) for p, why in failed], request)
-        bad += [(str(listing.root / p), why) for p, why in failed]
-        if failed:
-            plan = _drop_rows(tmp, plan, {p for p, _ in failed})
+            found = _decode_all(pool, root, plan, tmp, guess)
+            bad = [(str(root / path), h) for path, h in found.items() if isinstance(h, str)]
+            _refuse_bad(bad, request)
+            headers = {path: h for path, h in found.items() if not isinstance(h, str)}
+            kept = {s: [e for e in entries if e.path in headers] for s, entries in plan.items()}
+            _check_not_empty(kept, len(bad))
+            chosen = _choose(headers, kept["train"], request, log)
+            if chosen != guess:
+                log.info("decoding again: the sample of train/ called for another size or channel count")
+                again = _decode_all(pool, root, kept, tmp, chosen)
+                _refuse_bad([(str(root / p), h) for p, h in again.items() if isinstance(h, str)], request)
+            elif bad:
+                _drop_rows(tmp, plan, {path for path, h in found.items() if isinstance(h, str)})
         mean, std = data.channel_stats(np.load(tmp / "train.npy", mmap_mode="r"))
+        size, channels = chosen
         manifest = {
             "identity": _identity(listing, request),
             "size": list(size),
             "channels": channels,
-            "counts": {s: len(entries) for s, entries in plan.items()},
+            "counts": {s: len(entries) for s, entries in kept.items()},
             "mean": mean,
             "std": std,
             "skipped": [f"{path}: {why}" for path, why in bad],
@@ -345,29 +361,28 @@ def _check_space(folder: Path, nbytes: int) -> None:
         )
 
 
-def _decode_all(pool, root: Path, plan: dict, tmp: Path, channels: int, size: tuple[int, int]) -> list:
-    """Decode every split into tmp/<split>.npy in parallel; [(path, why)] of the files that failed."""
-    tasks, rows = [], {}
+def _decode_all(pool, root: Path, plan: dict, tmp: Path, shape: tuple) -> dict[str, tuple | str]:
+    """Decode every split into tmp/<split>.npy in parallel, to shape ((width, height), channels); per file
+    (relative path) its header or why it cannot be read."""
+    (width, height), channels = shape
+    _check_space(tmp, sum(map(len, plan.values())) * channels * width * height)
+    tasks, found = [], {}
     for split, entries in plan.items():
         array = tmp / f"{split}.npy"
-        np.lib.format.open_memmap(array, "w+", np.uint8, (len(entries), channels, size[1], size[0])).flush()
+        np.lib.format.open_memmap(array, "w+", np.uint8, (len(entries), channels, height, width)).flush()
         np.save(tmp / f"{split}-labels.npy", np.array([e.label for e in entries], np.int64))
         for lo in range(0, len(entries), CHUNK):
             paths = [str(root / e.path) for e in entries[lo : lo + CHUNK]]
-            tasks.append((str(array), lo, paths, channels, size))
-        rows[str(array)] = entries
-    failed = []
-    for task, result in zip(tasks, pool.imap(_decode, tasks)):
-        failed += [(rows[task[0]][row].path, why) for row, why in result]
-    return failed
+            tasks.append(((str(array), lo, paths, channels, (width, height)), entries[lo : lo + CHUNK]))
+    for (_, entries), result in zip(tasks, pool.imap(_decode, [task for task, _ in tasks])):
+        found.update((e.path, h) for e, h in zip(entries, result))
+    return found
 
 
-def _drop_rows(tmp: Path, plan: dict, dropped: set[str]) -> dict:
-    """Rewrite each split's arrays without the rows of dropped files (--skip-bad-images); the new plan."""
-    kept_plan = {}
+def _drop_rows(tmp: Path, plan: dict, dropped: set[str]) -> None:
+    """Rewrite each split's arrays and labels without the rows of the dropped files (--skip-bad-images)."""
     for split, entries in plan.items():
         keep = np.array([e.path not in dropped for e in entries])
-        kept_plan[split] = [e for e, k in zip(entries, keep) if k]
         if keep.all():
             continue
         old = np.load(tmp / f"{split}.npy", mmap_mode="r")
@@ -380,9 +395,8 @@ def _drop_rows(tmp: Path, plan: dict, dropped: set[str]) -> dict:
         new.flush()
         del old, new
         os.replace(tmp / f"{split}.new.npy", tmp / f"{split}.npy")
-        np.save(tmp / f"{split}-labels.npy", np.array([e.label for e in kept_plan[split]], np.int64))
-    _check_not_empty(kept_plan, len(dropped))
-    return kept_plan
+        labels = [e.label for e, k in zip(entries, keep) if k]
+        np.save(tmp / f"{split}-labels.npy", np.array(labels, np.int64))
 
 
 def _check_not_empty(plan: dict, bad: int) -> None:

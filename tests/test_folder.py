@@ -250,6 +250,24 @@ def test_other_settings_rebuild_and_defaults_follow_the_files(tmp_path, fashion)
     assert not list(root.resolve().glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
 
 
+def test_a_sample_that_guessed_wrong_is_decoded_again(tmp_path, fashion, monkeypatch, caplog):
+    """The first pass decodes to what the first SAMPLE files of train/ call for (here: one grey file); a colour
+    image found later makes the whole folder RGB, and the second pass decodes every file again."""
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    colour = root / "train" / "Trouser" / "colour.png"
+    Image.new("RGB", (28, 28), (200, 10, 10)).save(colour)
+    first = folder.plan_splits(folder.list_folder(root), 0.25)["train"][0]
+    assert first.path != "train/Trouser/colour.png"  # the sample of one is grey
+    monkeypatch.setattr(folder, "SAMPLE", 1)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        ds, manifest = build(root)
+    assert "decoding again" in caplog.text and manifest["channels"] == 3
+    paths = [e.path for e in folder.plan_splits(folder.list_folder(root), 0.25)["train"]]
+    row = paths.index("train/Trouser/colour.png")
+    assert ds.train.images[row][:, 0, 0].tolist() == [200, 10, 10]
+    np.testing.assert_array_equal(ds.train.images[0], preprocess.load_image(root / first.path, 3, (28, 28)))
+
+
 @pytest.mark.parametrize(
     "breaks,why",
     [(_truncate, "cannot read the image"), (_bomb, "a decompression bomb"), (Path.unlink, "vanished after")],
