@@ -274,7 +274,7 @@ def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
         "--image-size",
         default=d.image_size,
         metavar="W[xH]",
-        help="resize every image to W x W or W x H pixels (default: the most common size in train/)",
+        help="resize every image to W x W or W x H pixels ('': the most common size in train/)",
     )
     folder.add_argument(
         "--channels",

@@ -309,6 +309,7 @@ def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, 
     plan = plan_splits(listing, request.val_split)
     root, started = listing.root, time.perf_counter()
     cache.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(cache)
     tmp = cache.parent / f"{cache.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     processes = processes or os.cpu_count() or 1
@@ -403,6 +404,24 @@ def _check_not_empty(plan: dict, bad: int) -> None:
     empty = [split for split, entries in plan.items() if not entries]
     if empty:
         raise DataError(f"no readable image is left in {empty[0]} ({bad} unreadable files skipped); replace them")
+
+
+def _remove_leftovers(cache: Path) -> None:
+    """Temporary and old cache folders of builds whose process is gone (killed while building)."""
+    for path in cache.parent.glob(f"{cache.name}.*"):
+        pid = path.suffix.lstrip(".tmpold")
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        return True
+    return True
 
 
 def _publish(tmp: Path, cache: Path) -> None:

@@ -31,7 +31,6 @@ from PIL import Image
 
 from paddle_mnist import data, folder, plots
 from paddle_mnist.config import Config
-from scripts.bench import fresh, launcher, run
 
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = tuple(name.replace("/", " or ") for name in data.FASHION)  # a class name is a folder name: no slash
@@ -95,6 +94,10 @@ def build_here(root: Path) -> dict:
 
 
 def train_once(args, contender: str, work: Path) -> dict:
+    # imported here: scripts.bench loads Paddle, which the cache-building child (--build-only) must not, so
+    # that its peak memory is the build's own
+    from scripts.bench import fresh, launcher, run
+
     out, log_dir = work / contender, work / f"{contender}-log"
     fresh(out, log_dir)
     source = ["--dataset", "folder", "--data-dir", str(args.folder)] if contender == "folder" else []

@@ -294,6 +294,17 @@ def test_unreadable_files_are_named_and_the_old_cache_kept(tmp_path, fashion, br
     assert not list(root.resolve().glob(f"{folder.CACHE_NAME}.*"))
 
 
+def test_a_killed_build_leaves_nothing_behind_for_long(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=2, val=1)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    leftover = root / f"{folder.CACHE_NAME}.tmp{int(gone.stdout)}"  # a build whose process no longer exists
+    leftover.mkdir()
+    (leftover / "train.npy").write_bytes(b"half")
+    build(root)
+    assert not leftover.exists()
+    assert folder.is_fresh(folder.default_cache_dir(root), folder.list_folder(root), request())
+
+
 def test_skip_bad_images_trains_without_them_and_lists_them(tmp_path, fashion):
     root = make_folder(tmp_path / "d", fashion, train=4, val=1)
     victim = root / "train" / "Trouser" / "bad.jpg"
