@@ -110,11 +110,6 @@ class TrainState:
 
     def restore(self, contents: dict, path: Path) -> None:
         saved = contents.get("config", {})
-        if "classes" in saved and list(saved["classes"]) != list(self.cfg.classes):
-            raise ConfigError(
-                f"--resume: {path} was trained on the classes {', '.join(saved['classes'])}, and the data now has "
-                f"{', '.join(self.cfg.classes)}; restore the data's class folders, or pass another --output-dir"
-            )
         for key in ("model", "dataset", "batch_size", "image_size", "channels"):
             if key in saved and saved.get(key) != getattr(self.cfg, key):
                 flag = "--" + key.replace("_", "-")
@@ -122,6 +117,11 @@ class TrainState:
                     f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(self.cfg, key)}; "
                     f"pass {flag} {saved.get(key)} or another --output-dir"
                 )
+        if "classes" in saved and list(saved["classes"]) != list(self.cfg.classes):
+            raise ConfigError(
+                f"--resume: {path} was trained on the classes {', '.join(saved['classes'])}, and the data now has "
+                f"{', '.join(self.cfg.classes)}; restore the data's class folders, or pass another --output-dir"
+            )
         self.model.set_state_dict(contents["model"])
         self.untrained = {  # set in start(), after DataParallel has broadcast rank 0's
             "model": contents.get("untrained_by_rank") or [],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -441,3 +442,18 @@ def test_bad_file_stops_both_workers(tmp_path, fashion):
     (other,) = _error_lines(worker_log(tmp_path / "log", 1))
     assert "cannot read the image" in own and "its message is in its log" in other
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_folder_whose_classes_changed(runs, tmp_path):
+    images = tmp_path / "images"
+    shutil.copytree(runs / "images", images, ignore=shutil.ignore_patterns(folder.CACHE_NAME))
+    (images / "train" / "Trouser").rename(images / "train" / "Trousers")
+    (images / "test" / "Trouser").rename(images / "test" / "Trousers")
+    before = (runs / "one" / "metrics.jsonl").read_text()
+    args = [*SMALL, "--data-dir", str(images), "--model", "mnist_cnn", "--output-dir", str(runs / "one"), "--resume"]
+    proc = run_single(args, cwd=tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = _error_lines(proc.stdout + proc.stderr)
+    assert "was trained on the classes Ankle boot ü, Sandalé, T-shirt top, Trouser" in line and "Trousers" in line
+    assert (runs / "one" / "metrics.jsonl").read_text() == before
