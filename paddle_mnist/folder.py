@@ -174,8 +174,8 @@ def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:
         held = {e.path for entries in by_class.values() for e in entries[: round(val_split * len(entries))]}
         if not held:
             raise DataError(
-                f"{listing.root / 'train'}: --val-split {val_split} holds out no image of so few; "
-                f"add a val/ folder, or raise --val-split"
+                f"{listing.root / 'train'}: --val-split {val_split} of so few images per class holds out none; "
+                "add a val/ folder, or raise --val-split"
             )
         plan["val"] = [e for e in plan["train"] if e.path in held]
         plan["train"] = [e for e in plan["train"] if e.path not in held]

@@ -149,6 +149,8 @@ def test_hold_out_is_stratified_and_fixed_by_the_paths(tmp_path, fashion):
         assert sum(e.label == label for e in plan["val"]) == 2
     assert folder.plan_splits(listing, 0.25) == plan
     assert not {e.path for e in plan["val"]} & {e.path for e in plan["train"]}
+    with pytest.raises(DataError, match="--val-split 0.05 of so few images per class holds out none"):
+        folder.plan_splits(listing, 0.05)
 
 
 # ---- preprocessing ----
