@@ -113,11 +113,8 @@ def _log_model(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
 
 def _check_start(cfg: Config, env: DistEnv) -> int:
     """Refuse what this device cannot run; set the CPU threads. The threads per worker."""
-    if cfg.amp == "fp16" and env.device == "cpu":
-        raise ConfigError(
-            "--amp fp16 needs a GPU: Paddle's CPU kernels compute in float32 or bfloat16; "
-            "use --amp bf16 or --amp off on CPU"
-        )
+    if problem := distributed.amp_problem(cfg.amp, env.device, distributed.device_capability(env)):
+        raise ConfigError(problem)
     if cfg.sync_bn and (problem := distributed.sync_bn_problem(env)):
         raise ConfigError(problem)
     threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
@@ -154,7 +151,8 @@ def run(
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
     resumed = _choose_checkpoint(store, cfg, env, log)
     if resumed:
-        state.restore(checkpoint.load(resumed), resumed)
+        if warning := state.restore(checkpoint.load(resumed), resumed, env):
+            log.warning(warning)
         log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
     files = RunFiles(cfg, env, store)
     files.start(state.epoch if resumed else None, state.step, log)
@@ -225,6 +223,8 @@ def _export(files: RunFiles, net, ds: data.Dataset, cfg: Config, best: dict | No
             net = build_model(cfg.model, len(ds.classes), ds.image_shape)
             net.set_state_dict(checkpoint.load(Path(files.out) / BEST_WEIGHTS))
             weights = f"best: epoch {best['epoch']}, validation accuracy {best['val_acc']:.4f}"
+        elif cfg.sync_bn and files.enabled:  # export plain batch norm: a CPU predictor has no kernel for SyncBatchNorm
+            net = distributed.plain_batch_norm(net, build_model(cfg.model, len(ds.classes), ds.image_shape))
         files.export_inference(net, ds, weights)
     except Exception as e:
         out = cfg.output_dir

@@ -39,11 +39,14 @@ class EpochStats:
     phase_shares: dict  # this worker's share of step time per phase (timing.PHASES; None where not sampled)
     samples: int  # steps whose phases were timed
     clipped: int = 0  # steps whose gradients --clip-grad-norm scaled down (the same on every worker)
-    grad_norm: float = 0.0  # mean global gradient norm before clipping, when --clip-grad-norm is on
+    grad_norm: float = 0.0  # mean finite global gradient norm before clipping, when --clip-grad-norm is on
+    skipped: int = 0  # steps whose gradient norm was inf or NaN (fp16 overflow: the loss scaler skips them)
 
     @property
     def clipped_share(self) -> float:
-        return self.clipped / self.steps if self.steps else 0.0
+        """Of the steps with a finite gradient norm: a skipped step is neither clipped nor counted."""
+        counted = self.steps - self.skipped
+        return self.clipped / counted if counted else 0.0
 
     @property
     def images_per_sec(self) -> float:
@@ -79,8 +82,7 @@ class Epoch:
         total = self.batches.count
         bar = ProgressBar(env, total, f"epoch {state.epoch + 1}")
         correct = paddle.zeros([], dtype="int64")
-        norm_sum = paddle.zeros([], dtype="float32")  # summed on the device: no wait for the value at every step
-        clipped = paddle.zeros([], dtype="int64")
+        norms = NormTally(cfg.clip_grad_norm)
         seen = steps = 0
         timer = timing.StepTimer(cfg.timing_every, device_sync(env))
         start = time.perf_counter()
@@ -101,8 +103,7 @@ class Epoch:
                 correct += batch_correct
                 seen += len(labels)
                 if norm is not None:
-                    norm_sum += norm
-                    clipped += (norm > cfg.clip_grad_norm).astype("int64")
+                    norms.add(norm)
                 if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
                     check_finite(float(self.loss_sum), state, env)
                     elapsed = time.perf_counter() - start
@@ -139,9 +140,35 @@ class Epoch:
             own_seconds=own,
             phase_shares=timing.shares(timer.seconds, timer.samples, steps, own),
             samples=timer.samples,
-            clipped=int(clipped),
-            grad_norm=float(norm_sum) / max(steps, 1),
+            clipped=int(norms.clipped),
+            grad_norm=norms.mean(),
+            skipped=int(norms.skipped),
         )
+
+
+class NormTally:
+    """An epoch's global gradient norms before clipping, summed on the device (no wait for a value at each step).
+
+    With fp16, an overflow step's gradients are inf or NaN after unscaling, and GradScaler skips that step: its
+    norm is left out of the mean and out of the clipped count, and counted as skipped instead.
+    """
+
+    def __init__(self, clip: float):
+        self.clip = clip
+        self.total = paddle.zeros([], dtype="float32")
+        self.clipped = paddle.zeros([], dtype="int64")
+        self.skipped = paddle.zeros([], dtype="int64")
+        self.counted = paddle.zeros([], dtype="int64")
+
+    def add(self, norm: paddle.Tensor) -> None:
+        finite = paddle.isfinite(norm)
+        self.total += paddle.where(finite, norm, paddle.zeros_like(norm))
+        self.clipped += paddle.logical_and(finite, norm > self.clip).astype("int64")
+        self.skipped += paddle.logical_not(finite).astype("int64")
+        self.counted += finite.astype("int64")
+
+    def mean(self) -> float:
+        return float(self.total) / max(int(self.counted), 1)
 
 
 def amp_context(cfg: Config):
