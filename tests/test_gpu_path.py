@@ -35,6 +35,9 @@ def seed_of(state) -> int | None:
 
 
 FOUR_GPUS = ["gpu:0", "gpu:1", "gpu:2", "gpu:3"]
+# Paddle 2.6's GeneratorState pickles (device, seed, offset) only, without the CPU generator's mt19937 engine:
+# read back from a checkpoint, a CPU state restarts the stream from its seed. 3.x pickles the engine too.
+PICKLED_CPU_STATE_IS_WHOLE = len(paddle.base.core.default_cpu_generator().get_state().__getstate__()) > 3
 
 
 def test_a_gpu_worker_saves_its_own_gpu_generator_and_the_cpu_one():
@@ -119,7 +122,7 @@ def test_rng_states_travel_through_the_gather_and_the_checkpoint(tmp_path):
 def test_a_four_gpu_checkpoint_resumes_on_cpu_bit_for_bit(tmp_path):
     """cifar_cnn draws dropout masks from the CPU generator. A checkpoint whose rank 0 entry is the run's own CPU
     state, plus GPU states and three more ranks' as a 4-GPU job writes them, resumes in one CPU process with one
-    warning and ends with the weights of the run that never stopped."""
+    warning and ends with the weights of the run that never stopped (Paddle 3.x; see PICKLED_CPU_STATE_IS_WHOLE)."""
     write_cifar_archive(tmp_path / "c" / data.CIFAR_ARCHIVE, cifar_members(n_per_batch=16, n_test=8))
     args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", "cifar_cnn", "--batch-size", "16"]
     args += ["--epochs", "2", "--lr", "0.01"]
@@ -139,7 +142,10 @@ def test_a_four_gpu_checkpoint_resumes_on_cpu_bit_for_bit(tmp_path):
     warnings = [line for line in resumed.stdout.splitlines() if "random generator states" in line]
     assert len(warnings) == 1, resumed.stdout
     assert "ranks 1-3 are dropped" in warnings[0] and "rank 0's GPU generator state is dropped" in warnings[0]
-    assert param_digest(resumed.stdout) == param_digest(whole.stdout)
+    if PICKLED_CPU_STATE_IS_WHOLE:
+        assert param_digest(resumed.stdout) == param_digest(whole.stdout)
+    else:  # docs/training.md says so; a 2.6 that pickles the whole state fails here, and the docs need changing
+        assert param_digest(resumed.stdout) != param_digest(whole.stdout)
 
 
 def test_the_legacy_launchers_two_machine_layout_counts_this_machines_workers():
@@ -265,10 +271,11 @@ def test_the_export_after_sync_bn_holds_plain_batch_norm_with_the_same_weights(t
 
 
 def test_the_sync_bn_network_itself_cannot_be_exported_on_cpu(tmp_path):
-    """Why the plain copy: Paddle's CPU build has no sync_batch_norm kernel, and jit.save fails on it."""
+    """Why the plain copy: Paddle's CPU build has no sync_batch_norm kernel, and jit.save fails on it (3.3.1: a
+    TypeError; 2.6.2: ValueError, "Operator sync_batch_norm has not been registered")."""
     paddle.set_device("cpu")
     synced = sync_bn_network()
     synced.eval()
     spec = paddle.static.InputSpec([None, 1, 28, 28], "float32", "image")
-    with pytest.raises(TypeError):
+    with pytest.raises((TypeError, ValueError)):
         paddle.jit.save(synced, str(tmp_path / "synced"), input_spec=[spec])
