@@ -22,6 +22,7 @@ from .outputs import BEST_WEIGHTS, RESULTS, WEIGHTS, RunFiles, WriteFailed, outp
 from .preempt import Preempted, StopSignals, exit_code
 from .session import Session, check_best
 from .state import TrainState
+from .transfer import Feed
 
 
 def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Logger) -> None:
@@ -160,10 +161,11 @@ def run(
     state.start(env)
 
     val = None
+    to_device = Feed(env.device)
     with Session(cfg, env, log, state, files, stop=stop, batches_per_epoch=len(feed), resumed=resumed) as session:
         while session.training():
-            batches = feed.epoch(state.epoch, state.batch_in_epoch, session.batch_count())
-            epoch = engine.Epoch(state, batches, cfg, env, log)
+            batches = feed.epoch(state.epoch, state.batch_in_epoch, session.batch_count(), stage=to_device.host)
+            epoch = engine.Epoch(state, batches, cfg, env, log, to_device)
             for _ in epoch:
                 session.after_step(epoch.loss_sum)
             session.average_statistics()

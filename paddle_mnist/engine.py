@@ -25,6 +25,7 @@ from .distributed import (
     unwrap,
 )
 from .log import ProgressBar, memory_mb
+from .transfer import Feed
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,8 @@ class Epoch:
     it goes, so a checkpoint taken between two steps records exactly where training stands.
     """
 
-    def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger):
-        self.state, self.batches, self.cfg, self.env, self.log = state, batches, cfg, env, log
+    def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger, feed: Feed):
+        self.state, self.batches, self.cfg, self.env, self.log, self.feed = state, batches, cfg, env, log, feed
         self.loss_sum = paddle.zeros([], dtype="float32")  # this worker's, on the device: read only when needed
         self.stats: EpochStats | None = None
 
@@ -94,7 +95,7 @@ class Epoch:
                 t1 = time.perf_counter()
                 timer.add("input_wait", t1 - t0)
                 sampled = timer if timer.wants(steps) else None
-                loss, batch_loss_sum, batch_correct, norm = train_step(state, images, labels, cfg, sampled)
+                loss, batch_loss_sum, batch_correct, norm = train_step(state, images, labels, cfg, sampled, self.feed)
                 state.sched.step()
                 state.step += 1
                 state.batch_in_epoch += 1
@@ -189,7 +190,7 @@ def global_grad_norm(params: list) -> paddle.Tensor:
     return paddle.sqrt(paddle.add_n(squares))
 
 
-def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer=None):
+def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None):
     """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
 
     norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
@@ -199,14 +200,15 @@ def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer
     mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
     backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed:
     every backward pass then runs under no_sync and the gradients are averaged afterwards, on their own.
+
+    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU).
     """
     model, opt, scaler = state.model, state.opt, state.scaler
     k = cfg.accum_steps
     loss_sums, corrects = [], []
     if timer:
         timer.begin()
-    for i, (xs, ys) in enumerate(zip(np.split(images, k), np.split(labels, k))):
-        x, y = paddle.to_tensor(xs), paddle.to_tensor(ys)
+    for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
         with gradient_sync(model, i == k - 1 and timer is None):
             with amp_context(cfg):
                 logits = model(x)
@@ -215,7 +217,7 @@ def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer
             loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
             part = loss / k if k > 1 else loss
             (scaler.scale(part) if scaler else part).backward()
-        loss_sums.append(loss.detach() * len(ys))
+        loss_sums.append(loss.detach() * len(y))
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
     if timer:
         timer.mark("forward_backward")

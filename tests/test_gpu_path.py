@@ -1,14 +1,17 @@
 """The GPU path's logic, run on CPU with the inputs a GPU machine would give: RNG states per rank, the launch
-layout, AMP on a given compute capability, gradient norms with overflow steps, the export after --sync-bn."""
+layout, AMP on a given compute capability, gradient norms with overflow steps, the export after --sync-bn, and
+the host-to-device feed (its CPU path unchanged)."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import paddle
 import pytest
 from helpers import cifar_members, explain, param_digest, run_single, write_cifar_archive
 
-from paddle_mnist import checkpoint, data, distributed, engine, export, rng
+from paddle_mnist import checkpoint, data, distributed, engine, export, rng, transfer
 from paddle_mnist.distributed import DistEnv
 from paddle_mnist.models import build_model
 
@@ -279,3 +282,42 @@ def test_the_sync_bn_network_itself_cannot_be_exported_on_cpu(tmp_path):
     spec = paddle.static.InputSpec([None, 1, 28, 28], "float32", "image")
     with pytest.raises((TypeError, ValueError)):
         paddle.jit.save(synced, str(tmp_path / "synced"), input_spec=[spec])
+
+
+def test_batches_are_pinned_and_copied_without_blocking_on_gpus_only():
+    assert [transfer.pins(d) for d in ("cpu", "gpu:0", "gpu:3")] == [False, True, True]
+    assert not transfer.Feed("cpu").pinned and transfer.Feed("gpu:1").pinned
+
+
+def test_the_cpu_feed_is_paddle_to_tensor_of_each_micro_batch_as_before():
+    rs = np.random.RandomState(0)
+    images, labels = rs.rand(8, 1, 4, 4).astype(np.float32), rs.randint(0, 10, 8).astype(np.int64)
+    feed = transfer.Feed("cpu")
+    assert feed.host((images, labels))[0] is images  # nothing happens in the prefetch thread on CPU
+    for k in (1, 2, 4):
+        got = feed.micro_batches(images, labels, k)
+        want = [(paddle.to_tensor(x), paddle.to_tensor(y)) for x, y in zip(np.split(images, k), np.split(labels, k))]
+        assert len(got) == k
+        for (x, y), (wx, wy) in zip(got, want):
+            assert x.place.is_cpu_place() and x.dtype == wx.dtype and y.dtype == wy.dtype
+            assert np.array_equal(x.numpy(), wx.numpy()) and np.array_equal(y.numpy(), wy.numpy())
+
+
+def test_the_gpu_feeds_split_of_a_copied_batch_matches_the_split_of_its_arrays():
+    """On a GPU the whole batch is copied, then split on the device: the same micro-batches (run here on CPU
+    tensors, which take the same paddle.split)."""
+    images, labels = np.arange(48, dtype=np.float32).reshape(6, 2, 4), np.arange(6, dtype=np.int64)
+    on_device = transfer.split(paddle.to_tensor(images), paddle.to_tensor(labels), 3)
+    for (x, y), (wx, wy) in zip(on_device, transfer.split(images, labels, 3)):
+        assert np.array_equal(x.numpy(), wx) and np.array_equal(y.numpy(), wy)
+
+
+def test_the_prefetch_stage_runs_in_the_background_thread():
+    threads = []
+
+    def stage(item):
+        threads.append(threading.current_thread())
+        return item * 10
+
+    assert list(data.prefetch(iter([1, 2, 3]), stage=stage)) == [10, 20, 30]
+    assert len(threads) == 3 and threading.main_thread() not in threads
