@@ -36,6 +36,11 @@ class DistEnv:
         return self.rank == 0
 
 
+def gpu_index(device: str) -> int | None:
+    """N of "gpu:N" (among the visible GPUs, as FLAGS_selected_gpus counts them), None for "cpu"."""
+    return int(device.split(":")[1]) if device.startswith("gpu:") else None
+
+
 def _parent_args(ppid: int) -> list[str]:
     """The command line of this worker's paddle.distributed.launch, or [] when the parent is something else."""
     try:

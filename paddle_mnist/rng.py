@@ -7,12 +7,9 @@ from collections.abc import Sequence
 import paddle
 from paddle.base import core
 
+from .distributed import gpu_index
+
 CPU_DEVICE = -1  # the device field of a CPU GeneratorState (the first item of its __getstate__ tuple)
-
-
-def device_id(device: str) -> int | None:
-    """The GPU index of "gpu:N" (among the visible GPUs, as FLAGS_selected_gpus counts), None for "cpu"."""
-    return int(device.split(":")[1]) if device.startswith("gpu:") else None
 
 
 def own_states(device: str, cpu_state: object, visible_gpu_states: Sequence) -> dict:
@@ -21,7 +18,7 @@ def own_states(device: str, cpu_state: object, visible_gpu_states: Sequence) -> 
     A process holds one generator per visible GPU (paddle.get_rng_state() returns them all), but a worker draws
     from its own device's alone; the others are still at their seed and must not overwrite another rank's.
     """
-    gpu = device_id(device)
+    gpu = gpu_index(device)
     return {"device": device, "cpu": cpu_state, "gpu": visible_gpu_states[gpu] if gpu is not None else None}
 
 
@@ -57,10 +54,10 @@ def to_restore(saved: Sequence[dict], rank: int, world_size: int, device: str) -
         notes.append(f"no state is saved for {_ranks(n, world_size)} ({n} workers saved, {world_size} now)")
     entry = saved[rank] if rank < n else {}
     gpu = entry.get("gpu")
-    if gpu is not None and device_id(device) is None:
+    if gpu is not None and gpu_index(device) is None:
         notes.append(f"rank {rank}'s GPU generator state is dropped (saved on {entry.get('device')}, now on CPU)")
         gpu = None
-    elif gpu is None and entry and device_id(device) is not None:
+    elif gpu is None and entry and gpu_index(device) is not None:
         notes.append(f"rank {rank}'s GPU generator has no saved state (saved on {entry.get('device')})")
     chosen = {"cpu": entry.get("cpu"), "gpu": gpu}
     if not notes:
@@ -89,6 +86,6 @@ def apply(chosen: dict, device: str) -> None:
     """
     if chosen.get("cpu") is not None:
         core.default_cpu_generator().set_state(chosen["cpu"])
-    gpu = device_id(device)
+    gpu = gpu_index(device)
     if chosen.get("gpu") is not None and gpu is not None:
         core.default_cuda_generator(gpu).set_state(chosen["gpu"])

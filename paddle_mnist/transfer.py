@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from .distributed import gpu_index
+
 
 def pins(device: str) -> bool:
     """Whether batches go through page-locked (pinned) host memory: on a GPU only. A copy from pinned memory can
     run without blocking the host, and the prefetch thread does the pinning; on CPU there is nothing to copy."""
-    return device.startswith("gpu:")
+    return gpu_index(device) is not None
 
 
 def split(images, labels, k: int) -> list[tuple]:
@@ -40,14 +42,14 @@ class Feed:
             return batch
         # a new thread's CUDA calls go to GPU 0 unless it is told its place; Paddle's own DataLoader thread does
         # the same (_thread_loop in paddle/io/dataloader/dataloader_iter.py)
-        paddle.base.framework._set_expected_place(paddle.CUDAPlace(int(self.device.split(":")[1])))
+        paddle.base.framework._set_expected_place(paddle.CUDAPlace(gpu_index(self.device)))
         return tuple(paddle.to_tensor(a, place=paddle.CUDAPinnedPlace()) for a in batch)
 
     def micro_batches(self, images, labels, k: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
         if not self.pinned:
             return [(paddle.to_tensor(x), paddle.to_tensor(y)) for x, y in split(images, labels, k)]
         on_device = (images.cuda(blocking=False), labels.cuda(blocking=False))
-        event = paddle.device.Event(device=self.device)
+        event = paddle.device.Event()  # on the current device (3.3 has no device argument, 2.6 defaults to it)
         event.record()
         if self._in_flight:
             self._in_flight[1].synchronize()  # the previous batch's copy is done: its pinned memory may go
