@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Callable, Union
@@ -120,6 +121,7 @@ class Predictor:
         if prefix.is_dir():
             prefix = prefix / "inference"
         meta = export.read_export(prefix)
+        warnings.filterwarnings("ignore", message="No ccache found")  # import paddle's note about building C++
         cpu.prefer_fast_kernels()  # the trainer's MKL setting; MKL reads it at its first call, which comes later
         if backend != "auto":
             return cls(prefix, meta, backend, RUNNERS[backend](prefix, meta, threads, device))

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +38,7 @@ def child(contender: str, prefix: str, seconds: float, out: Path) -> None:
     """In a fresh process: load, warm up, then time each batch size for about `seconds`."""
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("GLOG_minloglevel", "2")  # before Paddle loads: no INFO lines in the table
+    warnings.filterwarnings("ignore")
     from paddle_mnist import data
 
     images = data.load_dataset("fashion-mnist", None).test.images[:256]
