@@ -66,12 +66,19 @@ def contract(ds: Dataset, output_name: str) -> dict:
     }
 
 
+def program_files(files: list[str]) -> tuple[str, str]:
+    """(the program, the weights) among an export's files: .json or .pdmodel (Paddle 3.x or 2.6), .pdiparams."""
+    return (
+        next(name for name in files if name.endswith((".json", ".pdmodel"))),
+        next(name for name in files if name.endswith(".pdiparams")),
+    )
+
+
 def _output_name(staging: Path, files: list[str]) -> str:
     """The name Paddle gave the network's output, as Paddle Inference reports it (differs between versions)."""
     from paddle import inference
 
-    model = next(name for name in files if name.endswith((".json", ".pdmodel")))
-    params = next(name for name in files if name.endswith(".pdiparams"))
+    model, params = program_files(files)
     config = inference.Config(str(staging / model), str(staging / params))
     config.disable_glog_info()
     return inference.create_predictor(config).get_output_names()[0]
@@ -187,8 +194,7 @@ def export_onnx(prefix: Path | str) -> Path:
         import paddle2onnx
     except ImportError as e:
         raise ExportError("the ONNX export needs paddle2onnx: pip install -r requirements-onnx.txt") from e
-    model = next(name for name in meta["files"] if name.endswith((".json", ".pdmodel")))
-    params = next(name for name in meta["files"] if name.endswith(".pdiparams"))
+    model, params = program_files(meta["files"])
     target = onnx_path(prefix)
     tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
     try:

@@ -37,8 +37,8 @@ def _inference_runner(prefix: Path, meta: dict, threads: int, device: str) -> Ca
     """Paddle Inference (oneDNN on for the CPU): the engine Paddle ships for deployment."""
     from paddle import inference
 
-    model_file = next(name for name in meta["files"] if name.endswith((".json", ".pdmodel")))
-    config = inference.Config(str(prefix.parent / model_file), str(prefix.with_name(prefix.name + ".pdiparams")))
+    program, params = export.program_files(meta["files"])
+    config = inference.Config(str(prefix.parent / program), str(prefix.parent / params))
     config.disable_glog_info()
     if device.startswith("gpu"):
         config.enable_use_gpu(256, int(device.partition(":")[2] or 0))

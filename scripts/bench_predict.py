@@ -46,6 +46,7 @@ def child(contender: str, prefix: str, seconds: float, out: Path) -> None:
         import paddle
 
         from paddle_mnist import export
+        from paddle_mnist.predictor import softmax
 
         paddle.base.core.set_num_threads(1)
         layer, meta = export.load_exported(prefix)
@@ -53,9 +54,7 @@ def child(contender: str, prefix: str, seconds: float, out: Path) -> None:
         def probabilities(x: np.ndarray) -> np.ndarray:
             inputs = data.normalise(x, tuple(meta["mean"]), tuple(meta["std"]))
             with paddle.no_grad():
-                logits = layer(paddle.to_tensor(inputs)).numpy()
-            e = np.exp(logits - logits.max(axis=1, keepdims=True))
-            return e / e.sum(axis=1, keepdims=True)
+                return softmax(layer(paddle.to_tensor(inputs)).numpy())
     else:
         from paddle_mnist.predictor import Predictor
 
