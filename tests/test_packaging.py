@@ -17,6 +17,7 @@ COMMANDS = {  # command -> the module that `python -m` runs for the same job
     "paddle-mnist-predict": "paddle_mnist.predict",
     "paddle-mnist-logs": "paddle_mnist.logs",
     "paddle-mnist-download": "paddle_mnist.download",
+    "paddle-mnist-export": "paddle_mnist.export",
 }
 
 
