@@ -5,3 +5,12 @@
 import zlib  # noqa: F401
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """paddle_mnist.Predictor, imported when first asked for, so that importing the package loads no Paddle."""
+    if name == "Predictor":
+        from .predictor import Predictor
+
+        return Predictor
+    raise AttributeError(f"module 'paddle_mnist' has no attribute {name!r}")

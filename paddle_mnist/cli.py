@@ -23,6 +23,7 @@ from .outputs import BEST_WEIGHTS, RESULTS, WEIGHTS, RunFiles, WriteFailed, outp
 from .preempt import Preempted, StopSignals, exit_code
 from .session import Session, check_best
 from .state import TrainState
+from .transfer import Feed
 
 
 def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Logger) -> None:
@@ -114,11 +115,8 @@ def _log_model(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
 
 def _check_start(cfg: Config, env: DistEnv) -> int:
     """Refuse what this device cannot run; set the CPU threads. The threads per worker."""
-    if cfg.amp == "fp16" and env.device == "cpu":
-        raise ConfigError(
-            "--amp fp16 needs a GPU: Paddle's CPU kernels compute in float32 or bfloat16; "
-            "use --amp bf16 or --amp off on CPU"
-        )
+    if problem := distributed.amp_problem(cfg.amp, env.device, distributed.device_capability(env)):
+        raise ConfigError(problem)
     if cfg.sync_bn and (problem := distributed.sync_bn_problem(env)):
         raise ConfigError(problem)
     threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
@@ -188,7 +186,8 @@ def run(
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
     resumed = _choose_checkpoint(store, cfg, env, log)
     if resumed:
-        state.restore(checkpoint.load(resumed), resumed)
+        if warning := state.restore(checkpoint.load(resumed), resumed, env):
+            log.warning(warning)
         log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
     files = RunFiles(cfg, env, store)
     files.start(state.epoch if resumed else None, state.step, log)
@@ -196,10 +195,11 @@ def run(
     state.start(env)
 
     val = None
+    to_device = Feed(env.device)
     with Session(cfg, env, log, state, files, stop=stop, batches_per_epoch=len(feed), resumed=resumed) as session:
         while session.training():
-            batches = feed.epoch(state.epoch, state.batch_in_epoch, session.batch_count())
-            epoch = engine.Epoch(state, batches, cfg, env, log)
+            batches = feed.epoch(state.epoch, state.batch_in_epoch, session.batch_count(), stage=to_device.host)
+            epoch = engine.Epoch(state, batches, cfg, env, log, to_device)
             for _ in epoch:
                 session.after_step(epoch.loss_sum)
             session.average_statistics()
@@ -259,6 +259,8 @@ def _export(files: RunFiles, net, ds: data.Dataset, cfg: Config, best: dict | No
             net = build_model(cfg.model, len(ds.classes), ds.image_shape)
             net.set_state_dict(checkpoint.load(Path(files.out) / BEST_WEIGHTS))
             weights = f"best: epoch {best['epoch']}, validation accuracy {best['val_acc']:.4f}"
+        elif cfg.sync_bn and files.enabled:  # export plain batch norm: a CPU predictor has no kernel for SyncBatchNorm
+            net = distributed.plain_batch_norm(net, build_model(cfg.model, len(ds.classes), ds.image_shape))
         files.export_inference(net, ds, weights)
     except Exception as e:
         out = cfg.output_dir

@@ -266,15 +266,17 @@ class TrainBatches:
     def __len__(self) -> int:
         return len(self.sampler)  # batches per epoch
 
-    def epoch(self, epoch: int, first: int, count: int) -> Batches:
+    def epoch(self, epoch: int, first: int, count: int, stage=None) -> Batches:
+        """stage: a last step for each batch in the background thread (transfer.Feed.host), or None."""
         self.sampler.set_epoch(sampler_epoch(self.seed, epoch))
         plan = AugmentPlan(self.policy, self.seed, self.rank, epoch) if self.policy else None
         indices = itertools.islice(self.sampler, first, first + count)
-        return Batches(first, count, prefetch(batches(self.split, self.ds, indices, plan, first=first)))
+        return Batches(first, count, prefetch(batches(self.split, self.ds, indices, plan, first=first), stage=stage))
 
 
-def prefetch(it: Iterator, depth: int = 2) -> Iterator:
-    """Run a batch iterator in a background thread so batch assembly overlaps the step."""
+def prefetch(it: Iterator, depth: int = 2, stage=None) -> Iterator:
+    """Run a batch iterator in a background thread so batch assembly overlaps the step; stage(item), if given,
+    runs there too."""
     q: queue.Queue = queue.Queue(maxsize=depth)
     done = object()
     stop = threading.Event()
@@ -291,7 +293,7 @@ def prefetch(it: Iterator, depth: int = 2) -> Iterator:
     def produce() -> None:
         try:
             for item in it:
-                if not put(item):
+                if not put(stage(item) if stage else item):
                     return
         except BaseException as e:  # handed to the consumer, raised there
             put(e)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
+
+from . import safeload
 
 GPU_FLAG = re.compile(r"^--(selected_gpus|gpus|devices)(=.*)?$")
 
@@ -32,15 +36,23 @@ class DistEnv:
         return self.rank == 0
 
 
-def _parent_gpu_request(ppid: int) -> str | None:
-    """The GPU flag the parent launcher was given, if any ("--selected_gpus=0,1,2,3")."""
+def gpu_index(device: str) -> int | None:
+    """N of "gpu:N" (among the visible GPUs, as FLAGS_selected_gpus counts them), None for "cpu"."""
+    return int(device.split(":")[1]) if device.startswith("gpu:") else None
+
+
+def _parent_args(ppid: int) -> list[str]:
+    """The command line of this worker's paddle.distributed.launch, or [] when the parent is something else."""
     try:
         with open(f"/proc/{ppid}/cmdline", "rb") as f:
             args = f.read().decode(errors="replace").split("\0")
     except OSError:
-        return None
-    if not any("paddle.distributed.launch" in a for a in args):
-        return None
+        return []
+    return args if any("paddle.distributed.launch" in a for a in args) else []
+
+
+def _gpu_flag(args: list[str]) -> str | None:
+    """The GPU flag in a launcher's command line, if any ("--selected_gpus=0,1,2,3")."""
     for i, arg in enumerate(args):
         if GPU_FLAG.match(arg):
             return arg if "=" in arg else f"{arg} {args[i + 1] if i + 1 < len(args) else ''}".strip()
@@ -55,7 +67,7 @@ def check_gpu_request() -> None:
     """
     if paddle.is_compiled_with_cuda():
         return
-    flag = _parent_gpu_request(os.getppid())
+    flag = _gpu_flag(_parent_args(os.getppid()))
     if flag is None:
         return
     ids = [x for x in re.split(r"[=\s,]+", flag)[1:] if x]
@@ -79,9 +91,10 @@ def gpu_shortfall(local_workers: int, visible_gpus: int) -> str | None:
     )
 
 
-def _env_int(*names: str, default: int) -> int:
+def _env_int(*names: str, default: int, environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
     for name in names:
-        value = os.environ.get(name, "")
+        value = environ.get(name, "")
         if value.strip():
             return int(value)
     return default
@@ -95,17 +108,70 @@ def launched_workers() -> int:
         return 1
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a worker stands in its job, as the launcher's environment variables say."""
+
+    world: int
+    local_rank: int
+    local_size: int  # workers on this node
+
+
+def _host(endpoint: str) -> str:
+    return endpoint.strip().rsplit(":", 1)[0]
+
+
+def launch_layout(environ: Mapping[str, str]) -> Layout:
+    """The layout from a worker's environment, under either launcher or none.
+
+    paddle.distributed.launch sets PADDLE_LOCAL_SIZE. The legacy fleet.launch (--selected_gpus without --master)
+    does not, and its PADDLE_TRAINER_ENDPOINTS lists the workers of every machine: this node's are those on the
+    host of PADDLE_CURRENT_ENDPOINT. ParallelEnv().local_rank is the global rank; the launchers export the rank
+    within the node as PADDLE_LOCAL_RANK or PADDLE_RANK_IN_NODE.
+    """
+    world = _env_int("PADDLE_TRAINERS_NUM", "PADDLE_GLOBAL_SIZE", default=1, environ=environ)
+    local_rank = _env_int("PADDLE_LOCAL_RANK", "PADDLE_RANK_IN_NODE", default=0, environ=environ)
+    endpoints = [e for e in environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",") if e.strip()]
+    current = environ.get("PADDLE_CURRENT_ENDPOINT", "")
+    on_node = [e for e in endpoints if _host(e) == _host(current)] if current.strip() else endpoints
+    local_size = _env_int("PADDLE_LOCAL_SIZE", default=max(len(on_node), 1), environ=environ)
+    return Layout(world, local_rank, min(local_size, world))
+
+
+def gpu_request_problem(flag: str | None, launcher_args: list[str], local_size: int) -> str | None:
+    """Why the workers started on this node differ from the GPUs the launcher was asked for, or None.
+
+    With --master, Paddle's launcher leaves legacy mode before it reads --selected_gpus (Context.is_legacy_mode
+    in paddle/distributed/launch/context/__init__.py): the flag is dropped and every visible GPU gets a worker.
+    """
+    if flag is None:
+        return None
+    asked = len([x for x in re.split(r"[=\s,]+", flag)[1:] if x])
+    if asked == local_size:
+        return None
+    master = any(a == "--master" or a.startswith("--master=") for a in launcher_args)
+    why = (
+        "with --master, Paddle's launcher ignores --selected_gpus and starts a worker on every visible GPU; "
+        f"pass --gpus {','.join(str(i) for i in range(max(asked, 1)))} instead"
+        if master and flag.startswith("--selected_gpus")
+        else "check the launcher's flags and CUDA_VISIBLE_DEVICES"
+    )
+    return f"the launcher was given {flag} ({asked} GPU(s)) but started {local_size} worker(s) on this node: {why}"
+
+
 def setup() -> DistEnv:
     """Check the launch, join the process group (for more than one worker) and pick the device."""
     check_gpu_request()
-    world = _env_int("PADDLE_TRAINERS_NUM", "PADDLE_GLOBAL_SIZE", default=1)
-    # ParallelEnv().local_rank is the global rank; the launchers export the rank within the node
-    local_rank = _env_int("PADDLE_LOCAL_RANK", "PADDLE_RANK_IN_NODE", default=0)
-    endpoints = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "x").split(",")
-    local_size = min(_env_int("PADDLE_LOCAL_SIZE", default=len(endpoints)), world)
+    layout = launch_layout(os.environ)
+    world, local_rank, local_size = layout.world, layout.local_rank, layout.local_size
     use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
-    if use_gpu and (problem := gpu_shortfall(local_size, paddle.device.cuda.device_count())):
-        raise LaunchError(problem)
+    if use_gpu:
+        args = _parent_args(os.getppid())
+        problem = gpu_request_problem(_gpu_flag(args), args, local_size) or gpu_shortfall(
+            local_size, paddle.device.cuda.device_count()
+        )
+        if problem:
+            raise LaunchError(problem)
     if world > 1:
         dist.init_parallel_env()
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -128,12 +194,52 @@ def sync_bn_problem(env: DistEnv) -> str | None:
     return None
 
 
+def amp_problem(amp: str, device: str, capability: tuple[int, int] | None) -> str | None:
+    """Why --amp cannot be honoured on this device, or None. capability: the GPU's (major, minor), None on CPU.
+
+    Below these compute capabilities paddle.amp.auto_cast turns itself off with only a UserWarning and the run
+    is float32 (_is_gpu_float16_supported and _is_gpu_bfloat16_supported in paddle/amp/auto_cast.py).
+    """
+    if amp == "fp16" and device == "cpu":
+        return (
+            "--amp fp16 needs a GPU: Paddle's CPU kernels compute in float32 or bfloat16; "
+            "use --amp bf16 or --amp off on CPU"
+        )
+    if capability is None or amp == "off":
+        return None
+    need = {"fp16": (7, 0), "bf16": (8, 0)}[amp]
+    if tuple(capability) >= need:
+        return None
+    return (
+        f"--amp {amp} needs a GPU of compute capability {need[0]}.{need[1]} or higher, and {device} has "
+        f"{capability[0]}.{capability[1]}: Paddle would silently train in float32; "
+        + ("use --amp fp16 or --amp off" if amp == "bf16" and tuple(capability) >= (7, 0) else "use --amp off")
+    )
+
+
+def device_capability(env: DistEnv) -> tuple[int, int] | None:
+    """This worker's GPU's compute capability, None on CPU."""
+    if not env.device.startswith("gpu"):
+        return None
+    return tuple(paddle.device.cuda.get_device_capability(env.device))
+
+
 def convert_sync_bn(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
     """Batch norm layers become SyncBatchNorm (same parameters), normalising over the whole global batch.
 
     One worker already sees the whole batch, so there is nothing to convert. Check sync_bn_problem first.
     """
     return paddle.nn.SyncBatchNorm.convert_sync_batchnorm(model) if env.world_size > 1 else model
+
+
+def plain_batch_norm(model: paddle.nn.Layer, plain: paddle.nn.Layer) -> paddle.nn.Layer:
+    """model for export: when convert_sync_bn gave it SyncBatchNorm layers, plain (the same network freshly built,
+    with plain batch norm) holding its weights and statistics, since sync_batch_norm has GPU kernels only and a
+    CPU predictor could not run it. A model without SyncBatchNorm is returned as it is."""
+    if not any(isinstance(layer, paddle.nn.SyncBatchNorm) for layer in model.sublayers()):
+        return model
+    plain.set_state_dict(model.state_dict())  # the conversion keeps every name: the keys match one to one
+    return plain
 
 
 # Gradient buckets in MB. Smaller than Paddle's defaults (25, 1) so that the all-reduce of the last layers'
@@ -224,6 +330,22 @@ def set_untrained(model: paddle.nn.Layer, by_rank: list[np.ndarray], env: DistEn
         value = paddle.to_tensor(flat[offset : offset + n].reshape(t.shape)).astype(t.dtype)
         paddle.assign(value, output=t)
         offset += n
+
+
+def gather_objects(obj: object, env: DistEnv) -> list:
+    """obj from every rank, in rank order: pickled, sent as bytes, read back by the checkpoint's restricted
+    unpickler (so only what a checkpoint may hold: RNG states, arrays, plain values). Every rank must call it."""
+    data = pickle.dumps(obj)
+    if env.world_size == 1:
+        return [safeload.loads(data, safeload.CHECKPOINT)]
+    lengths: list[paddle.Tensor] = []
+    dist.all_gather(lengths, paddle.to_tensor([len(data)], dtype="int64"))
+    sizes = [int(t.numpy()[0]) for t in lengths]
+    padded = np.zeros(max(sizes), dtype=np.uint8)  # all_gather needs one shape on every rank
+    padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, paddle.to_tensor(padded))
+    return [safeload.loads(t.numpy()[:n].tobytes(), safeload.CHECKPOINT) for t, n in zip(gathered, sizes)]
 
 
 def _average_in_place(tensors: list[paddle.Tensor]) -> None:

@@ -25,6 +25,7 @@ from .distributed import (
     unwrap,
 )
 from .log import ProgressBar, memory_mb
+from .transfer import Feed
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,14 @@ class EpochStats:
     phase_shares: dict  # this worker's share of step time per phase (timing.PHASES; None where not sampled)
     samples: int  # steps whose phases were timed
     clipped: int = 0  # steps whose gradients --clip-grad-norm scaled down (the same on every worker)
-    grad_norm: float = 0.0  # mean global gradient norm before clipping, when --clip-grad-norm is on
+    grad_norm: float = 0.0  # mean finite global gradient norm before clipping, when --clip-grad-norm is on
+    skipped: int = 0  # steps whose gradient norm was inf or NaN (fp16 overflow: the loss scaler skips them)
 
     @property
     def clipped_share(self) -> float:
-        return self.clipped / self.steps if self.steps else 0.0
+        """Of the steps with a finite gradient norm: a skipped step is neither clipped nor counted."""
+        counted = self.steps - self.skipped
+        return self.clipped / counted if counted else 0.0
 
     @property
     def images_per_sec(self) -> float:
@@ -68,8 +72,8 @@ class Epoch:
     it goes, so a checkpoint taken between two steps records exactly where training stands.
     """
 
-    def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger):
-        self.state, self.batches, self.cfg, self.env, self.log = state, batches, cfg, env, log
+    def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger, feed: Feed):
+        self.state, self.batches, self.cfg, self.env, self.log, self.feed = state, batches, cfg, env, log, feed
         self.loss_sum = paddle.zeros([], dtype="float32")  # this worker's, on the device: read only when needed
         self.stats: EpochStats | None = None
 
@@ -79,8 +83,7 @@ class Epoch:
         total = self.batches.count
         bar = ProgressBar(env, total, f"epoch {state.epoch + 1}")
         correct = paddle.zeros([], dtype="int64")
-        norm_sum = paddle.zeros([], dtype="float32")  # summed on the device: no wait for the value at every step
-        clipped = paddle.zeros([], dtype="int64")
+        norms = NormTally(cfg.clip_grad_norm)
         seen = steps = 0
         timer = timing.StepTimer(cfg.timing_every, device_sync(env))
         start = time.perf_counter()
@@ -92,7 +95,7 @@ class Epoch:
                 t1 = time.perf_counter()
                 timer.add("input_wait", t1 - t0)
                 sampled = timer if timer.wants(steps) else None
-                loss, batch_loss_sum, batch_correct, norm = train_step(state, images, labels, cfg, sampled)
+                loss, batch_loss_sum, batch_correct, norm = train_step(state, images, labels, cfg, sampled, self.feed)
                 state.sched.step()
                 state.step += 1
                 state.batch_in_epoch += 1
@@ -101,8 +104,7 @@ class Epoch:
                 correct += batch_correct
                 seen += len(labels)
                 if norm is not None:
-                    norm_sum += norm
-                    clipped += (norm > cfg.clip_grad_norm).astype("int64")
+                    norms.add(norm)
                 if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
                     check_finite(float(self.loss_sum), state, env)
                     elapsed = time.perf_counter() - start
@@ -139,9 +141,35 @@ class Epoch:
             own_seconds=own,
             phase_shares=timing.shares(timer.seconds, timer.samples, steps, own),
             samples=timer.samples,
-            clipped=int(clipped),
-            grad_norm=float(norm_sum) / max(steps, 1),
+            clipped=int(norms.clipped),
+            grad_norm=norms.mean(),
+            skipped=int(norms.skipped),
         )
+
+
+class NormTally:
+    """An epoch's global gradient norms before clipping, summed on the device (no wait for a value at each step).
+
+    With fp16, an overflow step's gradients are inf or NaN after unscaling, and GradScaler skips that step: its
+    norm is left out of the mean and out of the clipped count, and counted as skipped instead.
+    """
+
+    def __init__(self, clip: float):
+        self.clip = clip
+        self.total = paddle.zeros([], dtype="float32")
+        self.clipped = paddle.zeros([], dtype="int64")
+        self.skipped = paddle.zeros([], dtype="int64")
+        self.counted = paddle.zeros([], dtype="int64")
+
+    def add(self, norm: paddle.Tensor) -> None:
+        finite = paddle.isfinite(norm)
+        self.total += paddle.where(finite, norm, paddle.zeros_like(norm))
+        self.clipped += paddle.logical_and(finite, norm > self.clip).astype("int64")
+        self.skipped += paddle.logical_not(finite).astype("int64")
+        self.counted += finite.astype("int64")
+
+    def mean(self) -> float:
+        return float(self.total) / max(int(self.counted), 1)
 
 
 def amp_context(cfg: Config):
@@ -162,7 +190,7 @@ def global_grad_norm(params: list) -> paddle.Tensor:
     return paddle.sqrt(paddle.add_n(squares))
 
 
-def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer=None):
+def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None):
     """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
 
     norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
@@ -172,14 +200,15 @@ def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer
     mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
     backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed:
     every backward pass then runs under no_sync and the gradients are averaged afterwards, on their own.
+
+    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU).
     """
     model, opt, scaler = state.model, state.opt, state.scaler
     k = cfg.accum_steps
     loss_sums, corrects = [], []
     if timer:
         timer.begin()
-    for i, (xs, ys) in enumerate(zip(np.split(images, k), np.split(labels, k))):
-        x, y = paddle.to_tensor(xs), paddle.to_tensor(ys)
+    for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
         with gradient_sync(model, i == k - 1 and timer is None):
             with amp_context(cfg):
                 logits = model(x)
@@ -188,7 +217,7 @@ def train_step(state, images: np.ndarray, labels: np.ndarray, cfg: Config, timer
             loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
             part = loss / k if k > 1 else loss
             (scaler.scale(part) if scaler else part).backward()
-        loss_sums.append(loss.detach() * len(ys))
+        loss_sums.append(loss.detach() * len(y))
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
     if timer:
         timer.mark("forward_backward")

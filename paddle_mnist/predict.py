@@ -9,50 +9,32 @@ import sys
 import warnings
 from collections.abc import Sequence
 
-# Before Paddle loads: its C++ INFO lines and a build-tool warning would bury the results and errors on stderr.
-os.environ.setdefault("GLOG_minloglevel", "2")
-warnings.filterwarnings("ignore", message="No ccache found")
+import numpy as np
+from PIL import Image
 
-import numpy as np  # noqa: E402
-import paddle  # noqa: E402
-
-from . import data, preprocess  # noqa: E402
-from .export import ExportError, load_exported  # noqa: E402
+from . import preprocess
 
 BATCH = 256  # images per forward pass, so memory stays flat however many files are given
 
 
-def load_image(path: str | os.PathLike, image_shape: Sequence[int]) -> np.ndarray:
-    """uint8 (C, H, W) as the model of image_shape (C, H, W) takes it, made by the trainer's own preprocessing
-    (preprocess.to_pixels: the same pixels the model saw in training)."""
+def image_pixels(im: Image.Image, image_shape: Sequence[int], background: Sequence[int] = (0,)) -> np.ndarray:
+    """uint8 (C, H, W) as the model of image_shape takes it, from a PIL image of any size and mode, by the
+    trainer's own preprocessing (preprocess.to_pixels); transparency is composited onto `background` (the export's
+    metadata holds the one the model was trained on: black for MNIST-type data)."""
     channels, height, width = image_shape
-    return preprocess.load_image(path, channels, (width, height))
+    return np.ascontiguousarray(preprocess.to_pixels(im, channels, (width, height), background))
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z -= z.max(axis=1, keepdims=True)
-    e = np.exp(z)
-    return e / e.sum(axis=1, keepdims=True)
+def load_image(path: str | os.PathLike, image_shape: Sequence[int], background: Sequence[int] = (0,)) -> np.ndarray:
+    """image_pixels of an image file Pillow reads."""
+    channels, height, width = image_shape
+    return preprocess.load_image(path, channels, (width, height), background)
 
 
-def _classify(layer: paddle.nn.Layer, meta: dict, images: list[np.ndarray], top: int) -> list[list[dict]]:
-    x = data.normalise(np.stack(images), tuple(meta["mean"]), tuple(meta["std"]))
-    with paddle.no_grad():
-        probs = softmax(layer(paddle.to_tensor(x)).numpy())
-    best = np.argsort(-probs, axis=1, kind="stable")[:, :top]
-    return [
-        [{"class": int(k), "name": meta["classes"][k], "probability": float(p[k])} for k in row]
-        for p, row in zip(probs, best)
-    ]
-
-
-def predict_images(
-    layer: paddle.nn.Layer, meta: dict, paths: Sequence[str], top: int = 3, invert: bool = False
-) -> list[dict]:
+def predict_images(predictor, paths: Sequence[str], top: int = 3, invert: bool = False) -> list[dict]:
     """Per path, in order: {"image", "top": [{"class", "name", "probability"}, ...]} or {"image", "error"}.
 
-    A file that cannot be read gets an error entry; every other file is still classified.
+    A file that cannot be read gets an error entry; every other file is still classified, in batches.
     """
     results: list[dict] = []
     for lo in range(0, len(paths), BATCH):
@@ -60,13 +42,13 @@ def predict_images(
         loaded = []
         for entry in chunk:
             try:
-                image = load_image(entry["image"], meta["image_shape"])
+                image = predictor.pixels(entry["image"])
             except preprocess.UNREADABLE as e:
                 entry["error"] = preprocess.why_unreadable(e)
                 continue
             loaded.append((entry, 255 - image if invert else image))
         if loaded:
-            tops = _classify(layer, meta, [image for _, image in loaded], top)
+            tops = predictor.predict([image for _, image in loaded], top)
             for (entry, _), best in zip(loaded, tops):
                 entry["top"] = best
         results.extend(chunk)
@@ -82,7 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m paddle_mnist.predict",
         description="Classify image files (PNG, JPEG, ... any size, grey or colour) with a model the trainer "
-        "exported. Each image is converted to the model's channels and stretched to its size.",
+        "exported. Each image is converted to the model's channels and stretched to its size; transparent "
+        "parts are laid on the background the model was trained on (black for MNIST-type data).",
         epilog="Exit status: 0 when every image was classified, 1 when any image could not be read (each gets "
         "an error line; the others are still classified), 2 when the model cannot be loaded.",
     )
@@ -103,7 +86,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="invert the pixels first: MNIST-type models learned light strokes on a dark ground, "
         "so pass this for dark writing on light paper",
     )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "inference", "jit", "onnx"),
+        help="auto (default): Paddle Inference, else paddle.jit; onnx: ONNX Runtime on the file that "
+        "python -m paddle_mnist.export --onnx writes",
+    )
+    p.add_argument("--threads", type=int, default=1, metavar="N", help="CPU threads for the network (default 1)")
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be at least 1, got {args.threads}")
     if args.top < 1:
         p.error(f"--top must be at least 1, got {args.top}")
     return args
@@ -112,12 +105,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """0 when every image was classified, 1 when any could not be read, 2 when the model cannot be loaded."""
     args = parse_args(argv)
+    # Before Paddle loads: its C++ INFO lines and a build-tool warning would bury the results and errors on stderr.
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    warnings.filterwarnings("ignore", message="No ccache found")
+    from .export import ExportError
+    from .predictor import Predictor
+
     try:
-        layer, meta = load_exported(args.model)
+        predictor = Predictor.load(args.model, backend=args.backend, threads=args.threads)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = predict_images(layer, meta, args.image, min(args.top, len(meta["classes"])), args.invert)
+    results = predict_images(predictor, args.image, args.top, args.invert)
     for r in results:
         if "error" in r:
             print(f"error: {r['image']}: {r['error']}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -14,14 +15,6 @@ RESAMPLE = Image.Resampling.BILINEAR  # Pillow widens the filter when shrinking,
 VERSION = 1  # raise when the pixels this module makes change: folder caches built before are then rebuilt
 SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")  # 16-bit grey (PNG, TIFF) opens as one of these
 GREY_MODES = ("1", "L", "LA", "La", "F", *SIXTEEN_BIT)
-# what predict's users and inference_meta.json are told of the pixels the model was trained on
-SETTINGS = {
-    "version": VERSION,
-    "resize": "stretched to the model's width x height, bilinear",
-    "transparency": "composited onto white",
-    "grey": "ITU-R 601-2 luma (Pillow's convert('L'))",
-    "sixteen_bit": "divided by 257",
-}
 UNREADABLE = (OSError, SyntaxError, ValueError, Image.DecompressionBombError)  # what Pillow raises on bad files
 
 
@@ -50,11 +43,14 @@ def _eight_bit(im: Image.Image) -> Image.Image:
     return im
 
 
-def to_pixels(im: Image.Image, channels: int, size: tuple[int, int]) -> np.ndarray:
+def to_pixels(
+    im: Image.Image, channels: int, size: tuple[int, int], background: Sequence[int] = (BACKGROUND,)
+) -> np.ndarray:
     """uint8 (C, H, W) for a model of `channels` channels and size (width, height), from an open Pillow image.
 
     In order: the first frame (GIF, WebP, TIFF); upright by the EXIF orientation; 16-bit grey scaled to 8 bits;
-    transparency (alpha, or a palette's transparent colour) composited onto white; converted to grey (ITU-R 601
+    transparency (alpha, or a palette's transparent colour) composited onto `background` (one value for every
+    channel, or one per channel; white, BACKGROUND, for a folder's images); converted to grey (ITU-R 601
     luma) or RGB; resized to exactly width x height with a bilinear filter (stretched: the aspect ratio is not
     kept, and nothing is cropped away).
     """
@@ -65,7 +61,8 @@ def to_pixels(im: Image.Image, channels: int, size: tuple[int, int]) -> np.ndarr
     im = _eight_bit(im)
     if im.mode in ("P", "PA", "LA", "La", "RGBA", "RGBa") or "transparency" in im.info:
         rgba = im.convert("RGBA")
-        im = Image.new("RGBA", rgba.size, (BACKGROUND,) * 3 + (255,))
+        fill = tuple(int(v) for v in background) * (3 if len(background) == 1 else 1)
+        im = Image.new("RGBA", rgba.size, (*fill, 255))
         im.alpha_composite(rgba)
     im = im.convert(MODES[channels])
     if im.size != tuple(size):
@@ -75,10 +72,12 @@ def to_pixels(im: Image.Image, channels: int, size: tuple[int, int]) -> np.ndarr
     return pixels.reshape(height, width, channels).transpose(2, 0, 1)
 
 
-def load_image(path: str | os.PathLike, channels: int, size: tuple[int, int]) -> np.ndarray:
+def load_image(
+    path: str | os.PathLike, channels: int, size: tuple[int, int], background: Sequence[int] = (BACKGROUND,)
+) -> np.ndarray:
     """to_pixels of the image file at path; Pillow's exceptions (OSError, ValueError, ...) pass through."""
     with open_image(path) as im:
-        return np.ascontiguousarray(to_pixels(im, channels, size))
+        return np.ascontiguousarray(to_pixels(im, channels, size, background))
 
 
 def why_unreadable(e: Exception) -> str:

@@ -31,7 +31,11 @@ def stopped(signum: int, step: int, where: str, saved: Path | None) -> Preempted
 
 def epoch_row(cfg: Config, env: DistEnv, state: TrainState, stats: engine.EpochStats, val) -> dict:
     """One line of metrics.jsonl."""
-    clipping = {"clipped_share": stats.clipped_share, "grad_norm": stats.grad_norm} if cfg.clip_grad_norm else {}
+    clipping = (
+        {"clipped_share": stats.clipped_share, "grad_norm": stats.grad_norm, "skipped_steps": stats.skipped}
+        if cfg.clip_grad_norm
+        else {}
+    )
     return {
         "epoch": state.epoch + 1,
         "step": state.step,
@@ -63,9 +67,15 @@ def log_epoch(log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochSt
         f"input wait {100 * row['input_wait_share']:.1f}%, memory {row['rss_mb']:.0f} MiB"
     )
     if cfg.clip_grad_norm:
+        skipped = (
+            f"; {stats.skipped} step(s) skipped with inf/NaN gradients (fp16 overflow), left out of these figures"
+            if stats.skipped
+            else ""
+        )
         log.info(
             f"epoch {row['epoch']} gradient clipping at norm {cfg.clip_grad_norm:g}: clipped {stats.clipped} of "
-            f"{stats.steps} steps ({100 * stats.clipped_share:.0f}%), mean norm before clipping {stats.grad_norm:.3f}"
+            f"{stats.steps - stats.skipped} steps ({100 * stats.clipped_share:.0f}%), mean norm before clipping "
+            f"{stats.grad_norm:.3f}{skipped}"
         )
 
 
@@ -195,9 +205,10 @@ class Session:
             # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
             self.average_statistics()
             extra = {}
+        rng_by_rank = state.gather_rng(env)
         # never let diverged weights push a good checkpoint out; the next loss check stops every rank
         if self.files.enabled and np.isfinite(float(loss_sum)) and engine.weights_finite(state.model):
-            self.files.save_checkpoint({**state.contents(self.elapsed()), **extra})
+            self.files.save_checkpoint({**state.contents(self.elapsed(), rng_by_rank), **extra})
 
     def end_epoch(self, stats: engine.EpochStats, val) -> bool:
         """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached."""
@@ -214,9 +225,10 @@ class Session:
             state.best = {"epoch": row["epoch"], "step": state.step, "val_acc": val.acc, "val_loss": val.loss}
             state.best["digest"] = digest
         state.end_epoch(self.batches_per_epoch)
-        if self.files.enabled:  # only rank 0 writes: the others need not gather the state
+        rng_by_rank = state.gather_rng(self.env)  # every rank's generators; rank 0 alone writes them
+        if self.files.enabled:
             # the checkpoint first, then the best weights: see check_best for a stop between the two
-            self.files.save_checkpoint(state.contents(self.elapsed()))
+            self.files.save_checkpoint(state.contents(self.elapsed(), rng_by_rank))
             if improved:
                 self.files.save_best(net)
         if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here

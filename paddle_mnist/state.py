@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from . import distributed
+from . import distributed, rng
 from .config import Config, ConfigError, effective_lr
 from .distributed import DistEnv
 from .ema import WeightAverage
@@ -90,9 +90,10 @@ class TrainState:
         if self.batch_in_epoch == batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
-    def contents(self, elapsed_s: float) -> dict:
+    def contents(self, elapsed_s: float, rng_by_rank: list[dict]) -> dict:
         """The checkpoint: everything to continue bit for bit. elapsed_s is the training time up to here, summed
-        over the sessions of a resumed run. A stop's checkpoint adds every rank's statistics (untrained_by_rank)."""
+        over the sessions of a resumed run; rng_by_rank every rank's rng.current(), from gather_rng. A stop's
+        checkpoint adds every rank's statistics (untrained_by_rank)."""
         return {
             "model": distributed.unwrap(self.model).state_dict(),
             "ema": self.ema.state_dict() if self.ema else None,
@@ -101,14 +102,20 @@ class TrainState:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "step": self.step,
-            "rng": {"paddle": paddle.get_rng_state(), "numpy": np.random.get_state()},
+            "rng": {"by_rank": rng_by_rank, "numpy": np.random.get_state()},
             "config": dataclasses.asdict(self.cfg),
             "scaler": self.scaler.state_dict() if self.scaler else None,  # fp16 loss scale, so a resumed run keeps it
             "elapsed_s": elapsed_s,
             "best": self.best,
         }
 
-    def restore(self, contents: dict, path: Path) -> None:
+    @staticmethod
+    def gather_rng(env: DistEnv) -> list[dict]:
+        """Every rank's own generator states, for contents(); every rank must call it."""
+        return distributed.gather_objects(rng.current(env.device), env)
+
+    def restore(self, contents: dict, path: Path, env: DistEnv) -> str | None:
+        """Continue from a checkpoint's contents; a warning line when its RNG states do not fit this job."""
         saved = contents.get("config", {})
         for key in ("model", "dataset", "batch_size", "image_size", "channels"):
             if key in saved and saved.get(key) != getattr(self.cfg, key):
@@ -133,8 +140,14 @@ class TrainState:
             self.scaler.load_state_dict(contents["scaler"])
         if self.ema:  # a checkpoint from before --ema was turned on starts the average from its weights
             self.ema.set_state_dict(contents.get("ema") or contents["model"])
-        paddle.set_rng_state(contents["rng"]["paddle"])
-        np.random.set_state(contents["rng"]["numpy"])
+        saved_rng = contents["rng"]
+        by_rank = saved_rng.get("by_rank")
+        if by_rank is None:  # written before checkpoints kept every rank's states
+            by_rank = rng.from_legacy(saved_rng["paddle"], env.world_size)
+        chosen, warning = rng.to_restore(by_rank, env.rank, env.world_size, env.device)
+        rng.apply(chosen, env.device)
+        np.random.set_state(saved_rng["numpy"])
         self.epoch, self.batch_in_epoch, self.step = (int(contents[k]) for k in ("epoch", "batch_in_epoch", "step"))
         self.trained_before = float(contents.get("elapsed_s", 0.0))  # older checkpoints lack it
         self.best = contents.get("best")  # older checkpoints lack it: the best is then counted from here
+        return warning

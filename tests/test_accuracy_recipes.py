@@ -98,15 +98,16 @@ def four_epochs(fashion_dir, tmp_path_factory):
 def test_target_acc_ends_the_run_at_the_first_evaluation_that_reaches_it(four_epochs, tmp_path):
     args, full = four_epochs
     accs = [r["val_acc"] for r in read_metrics(full)]
-    target = accs[1]  # reached first at epoch 2 or earlier; the run must stop at the first epoch that reaches it
-    first = next(i for i, a in enumerate(accs) if a >= target) + 1
-    assert first < 4, accs
+    # epoch 2's accuracy, which epoch 1 fell short of: a run that stops too early (after epoch 1) or too late (at
+    # the end, epoch 4) fails, as does one that compares with > instead of >=
+    target = accs[1]
+    assert len(accs) == 4 and accs[0] < target, f"epoch 1 already reached epoch 2's accuracy: {accs}"
     stop = run_single([*args, "--target-acc", str(target), "--output-dir", str(tmp_path / "stop")], cwd=tmp_path)
     assert stop.returncode == 0, explain(stop)
-    assert [r["epoch"] for r in read_metrics(tmp_path / "stop")] == list(range(1, first + 1))
+    assert [r["epoch"] for r in read_metrics(tmp_path / "stop")] == [1, 2]
     assert f"reached --target-acc {target:g}" in stop.stdout
     result = read_results(tmp_path / "stop")
-    assert result["test_acc"] == accs[first - 1]
+    assert result["test_acc"] == accs[1]
     assert (tmp_path / "stop" / "model.pdparams").is_file() and (tmp_path / "stop" / "inference_meta.json").is_file()
 
 

@@ -116,31 +116,63 @@ def limit_file_size(limit: int):
     return apply
 
 
+def launch(args: list[str], tmp_path: Path, file_size_limit: int | None = None) -> subprocess.CompletedProcess:
+    """Two workers under the launcher (logs in tmp_path/log), each file they write limited to file_size_limit."""
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2"]
+    cmd += ["--log_dir", str(tmp_path / "log"), str(TRAIN_PY), *args]
+    limit = limit_file_size(file_size_limit) if file_size_limit else None
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300, preexec_fn=limit
+    )
+
+
+def check_both_ranks_stopped(proc: subprocess.CompletedProcess, log_dir: Path, failed: Path, reason: str, good: Path):
+    """Rank 0's one line names the file, the system's reason and the intact checkpoint; rank 1 stops with it."""
+    assert proc.returncode != 0, explain(proc, log_dir)
+    line = one_line(worker_log(log_dir, 0), "error:")
+    assert f"cannot write {failed}: {reason}" in line, line
+    assert f"the last good checkpoint {good} is intact" in line and "--resume auto" in line, line
+    assert "rank 0 could not write" in one_line(worker_log(log_dir, 1), "error:")
+    assert "Traceback" not in worker_log(log_dir, 0) + worker_log(log_dir, 1)
+    assert not [p for p in failed.parent.rglob("*") if ".tmp" in p.name]
+    checkpoint.load(good)  # intact: its digest matches
+
+
 @pytest.mark.slow
 def test_failed_checkpoint_write_stops_every_rank_with_one_line_and_keeps_the_last_good_one(tmp_path, trained):
     """A file-size limit makes the kernel refuse the write (EFBIG) exactly where a full disk refuses it (ENOSPC),
     without root or a mount: both are an OSError from write(2) on the checkpoint's temporary file."""
     out, args = copy_run(trained[0], tmp_path / "o"), trained[1]
     last_good = checkpoint.list_checkpoints(out)[-1]
-    size = last_good.stat().st_size
-    log_dir = tmp_path / "log"
-    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir)]
-    cmd += [str(TRAIN_PY), *args, "--output-dir", str(out), "--resume", "auto", "--epochs", "3"]
-    proc = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        preexec_fn=limit_file_size(size // 2),
-    )
-    assert proc.returncode != 0, explain(proc, log_dir)
+    args = [*args, "--output-dir", str(out), "--resume", "auto", "--epochs", "3"]
+    proc = launch(args, tmp_path, file_size_limit=last_good.stat().st_size // 2)
     failed = checkpoint.checkpoint_path(out, 24)
-    line = one_line(worker_log(log_dir, 0), "error:")
-    assert f"cannot write {failed}: File too large (EFBIG)" in line, line
-    assert f"the last good checkpoint {last_good} is intact" in line and "--resume auto" in line, line
-    assert "rank 0 could not write" in one_line(worker_log(log_dir, 1), "error:")
-    assert "Traceback" not in worker_log(log_dir, 0) + worker_log(log_dir, 1)
-    assert not failed.exists() and not [p for p in (out / "checkpoints").iterdir() if ".tmp" in p.name]
-    checkpoint.load(last_good)  # intact: its digest matches
+    check_both_ranks_stopped(proc, tmp_path / "log", failed, "File too large (EFBIG)", last_good)
+    assert not failed.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["metrics.jsonl", "model.pdparams", "results.json"])
+def test_failed_write_of_metrics_weights_or_results_stops_every_rank_with_one_line(tmp_path, trained, name):
+    """metrics.jsonl is a link to /dev/full, whose writes fail as a full disk's do (ENOSPC), and the run goes on
+    to a third epoch; the weights are written under a file-size limit (EFBIG) and a folder stands where
+    results.json goes (EISDIR) while the finished run is resumed (--resume yes), which writes both again."""
+    out = copy_run(trained[0], tmp_path / "o")
+    args = [*trained[1], "--output-dir", str(out)]
+    last_good, target = checkpoint.list_checkpoints(out)[-1], out / name
+    before = target.read_bytes()
+    limit = None
+    if name == "metrics.jsonl":
+        target.unlink()
+        target.symlink_to("/dev/full")
+        args, reason = [*args, "--resume", "auto", "--epochs", "3"], "No space left on device (ENOSPC)"
+    elif name == "model.pdparams":
+        args, reason, limit = [*args, "--resume", "yes"], "File too large (EFBIG)", len(before) // 2
+    else:
+        target.unlink()
+        target.mkdir()
+        args, reason = [*args, "--resume", "yes"], "Is a directory (EISDIR)"
+    proc = launch(args, tmp_path, file_size_limit=limit)
+    check_both_ranks_stopped(proc, tmp_path / "log", target, reason, last_good)
+    if name == "model.pdparams":
+        assert target.read_bytes() == before  # the earlier weights, untouched

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
+from helpers import launch_env
 from paddle import nn
 
 from paddle_mnist import cpu
@@ -74,7 +78,38 @@ def test_mkl_avx2_path_only_for_amd_processors_that_have_avx2_and_fma():
     assert cpu.mkl_settings(INTEL, {}) == {}  # MKL already picks its best kernels on Intel processors
     assert cpu.mkl_settings(OLD_AMD, {}) == {}  # the AVX2 kernels would crash there
     assert cpu.mkl_settings(AMD, {"MKL_DEBUG_CPU_TYPE": "4"}) == {}  # the user's own choice stands
-    env = {}
-    cpu.prefer_fast_kernels(env)
-    with open("/proc/cpuinfo") as f:
-        assert env == cpu.mkl_settings(f.read(), {})  # this machine: applied exactly as decided
+
+
+# A process that does what the trainer's entry point does first, then reports the setting as MKL reads it (the C
+# library's getenv, at MKL's first call) and as a process it starts afterwards inherits it
+SEES_MKL_SETTING = """
+import ctypes, subprocess, sys
+from paddle_mnist import cpu
+cpu.prefer_fast_kernels()
+libc = ctypes.CDLL(None)
+libc.getenv.restype = ctypes.c_char_p
+seen = libc.getenv(b"MKL_DEBUG_CPU_TYPE")
+print(seen.decode() if seen else None)
+sys.stdout.flush()
+subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MKL_DEBUG_CPU_TYPE'))"], check=True)
+"""
+
+
+def this_machine_wants_avx2() -> bool:
+    """What docs/performance.md states: an AMD processor with AVX2 and FMA."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    vendor = next(line.split(":")[1].strip() for line in lines if line.startswith("vendor_id"))
+    flags = set(next(line.split(":")[1] for line in lines if line.startswith("flags")).split())
+    return vendor == "AuthenticAMD" and {"avx2", "fma"} <= flags
+
+
+@pytest.mark.parametrize("users", [None, "4"], ids=["unset", "set-by-the-user"])
+def test_the_process_and_its_children_get_the_setting(users):
+    env = launch_env()
+    env.pop("MKL_DEBUG_CPU_TYPE", None)
+    if users:
+        env["MKL_DEBUG_CPU_TYPE"] = users
+    proc = subprocess.run([sys.executable, "-c", SEES_MKL_SETTING], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    want = users or ("5" if this_machine_wants_avx2() else "None")
+    assert proc.stdout.split() == [want, want], proc.stdout  # MKL's view, then a child process's

@@ -68,7 +68,8 @@ def test_worker_logs_are_rank_tagged(one_and_two):
         assert f"[rank {rank}/2] epoch 2/2 done" in text
 
 
-def test_outputs_are_written_by_rank_zero(one_and_two):
+def test_a_two_worker_run_writes_every_output_file(one_and_two):
+    """What is written; that only rank 0 writes is test_two_nodes_on_loopback_equal_one_process's check."""
     out = one_and_two / "two"
     for name in ("config.json", "metrics.jsonl", "model.pdparams", "curves.png", "results.json", "inference_meta.json"):
         assert (out / name).is_file(), name

@@ -16,6 +16,7 @@ from PIL import Image
 
 from paddle_mnist import data, export, predict
 from paddle_mnist.models import MnistCNN
+from paddle_mnist.predictor import softmax
 
 
 def run_predict(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -29,14 +30,15 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def logits_in_memory(net: paddle.nn.Layer, ds: data.Dataset, paths: list[Path]) -> np.ndarray:
-    images = np.stack([predict.load_image(p, ds.image_shape) for p in paths])
+    ground = export.background(ds.train.images)
+    images = np.stack([predict.load_image(p, ds.image_shape, ground) for p in paths])
     net.eval()
     with paddle.no_grad():
         return net(paddle.to_tensor(data.normalise(images, ds.mean, ds.std))).numpy()
 
 
 def assert_same_answers(printed: list[dict], logits: np.ndarray, paths: list[Path], classes) -> None:
-    probs = predict.softmax(logits)
+    probs = softmax(logits)
     assert [r["image"] for r in printed] == [str(p) for p in paths]
     for result, p in zip(printed, probs):
         order = [t["class"] for t in result["top"]]
@@ -146,7 +148,7 @@ def test_plain_text_shows_class_names(mnist):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{paths[0]}: ")
-    probs = predict.softmax(logits_in_memory(net, ds, paths[:1]))[0]
+    probs = softmax(logits_in_memory(net, ds, paths[:1]))[0]
     first, second = np.argsort(-probs, kind="stable")[:2]
     expected = f"{ds.classes[first]} ({first}): {100 * probs[first]:.1f}%, {ds.classes[second]} ({second}):"
     assert expected in lines[0]
@@ -160,4 +162,5 @@ def test_load_image_converts_mode_and_size(tmp_path):
     assert np.all(grey == round(0.299 * 200 + 0.587 * 100))  # Pillow's ITU-R 601-2 luma
     transparent = tmp_path / "clear.png"
     Image.new("RGBA", (28, 28), (0, 0, 0, 0)).save(transparent)
-    assert np.all(predict.load_image(transparent, (1, 28, 28)) == 255)  # flattened onto white, as a viewer shows it
+    assert np.all(predict.load_image(transparent, (1, 28, 28)) == 0)  # laid on the ground given: black by default
+    assert np.all(predict.load_image(transparent, (3, 28, 28), (10, 20, 30)).reshape(3, -1).T == (10, 20, 30))

@@ -150,6 +150,15 @@ def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(
     saved = paddle.load(str(tmp_path / "o" / "model.pdparams"))
     assert {"features.1._mean", "features.1._variance"} <= saved.keys()
     assert not np.allclose(saved["features.1._mean"].numpy(), 0)  # the statistics did move from their start
+    # the saved model, evaluated in this one process, scores what the two ranks reported together
+    model = build_model("mnist_cnn_bn")
+    model.set_state_dict(saved)
+    ds = data.load_dataset("mnist", str(mnist_dir))
+    local = engine.evaluate(model, ds.test, ds, config.Config(), DistEnv(0, 1, 0, 1, "none", "cpu"))
+    reported = read_results(tmp_path / "o")
+    assert local.count == reported["test_count"] == 64
+    assert local.acc == reported["test_acc"]
+    assert local.loss == pytest.approx(reported["test_loss"], rel=1e-5)
 
 
 @pytest.mark.slow

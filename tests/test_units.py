@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import types
 
 import numpy as np
 import paddle
@@ -169,16 +170,23 @@ def test_step_time_shares_use_sampled_means_for_timed_phases():
     assert unsampled["input_wait"] == pytest.approx(0.005)
 
 
-def test_step_timer_samples_every_nth_step():
+def test_step_timer_samples_every_nth_step(monkeypatch):
     from paddle_mnist import timing
 
-    timer = timing.StepTimer(every=3, sync=lambda: None)
+    syncs = []
+    timer = timing.StepTimer(every=3, sync=lambda: syncs.append(1))
     assert [s for s in range(1, 10) if timer.wants(s)] == [3, 6, 9]
     assert not any(timing.StepTimer(every=0, sync=lambda: None).wants(s) for s in range(1, 10))
-    timer.begin()
-    for phase in timing.SAMPLED:
-        timer.mark(phase)
-    assert timer.samples == 1 and all(timer.seconds[p] >= 0 for p in timing.SAMPLED)
+    # the module's clock, read at begin() and at each mark(): two sampled steps, each phase a known span
+    clock = iter([10.0, 10.5, 10.75, 11.0, 20.0, 20.25, 20.5, 20.625])
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    for _ in range(2):
+        timer.begin()
+        for phase in timing.SAMPLED:
+            timer.mark(phase)
+    assert timer.samples == 2 and len(syncs) == 8  # the device is synchronised at every phase boundary
+    want = {"forward_backward": 0.75, "all_reduce": 0.5, "optimizer": 0.375, "input_wait": 0.0, "logging": 0.0}
+    assert timer.seconds == want
 
 
 def test_shift_and_label_smoothing_flags_are_checked():

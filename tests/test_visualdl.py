@@ -66,8 +66,14 @@ def check_against_metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+def progress_lines(log_text: str) -> list[tuple[float, float, float]]:
+    """(loss, lr, global images/s) of every progress line, as printed."""
+    found = re.findall(r"epoch \d+ step \d+/\d+ loss ([0-9.]+) lr ([0-9.]+) (\d+) img/s", log_text)
+    return [tuple(float(x) for x in line) for line in found]
+
+
 def progress_losses(log_text: str) -> list[float]:
-    return [float(x) for x in re.findall(r"epoch \d+ step \d+/\d+ loss ([0-9.]+) lr", log_text)]
+    return [loss for loss, _, _ in progress_lines(log_text)]
 
 
 @pytest.mark.slow
@@ -114,8 +120,12 @@ def test_resumed_run_continues_the_same_curves(dataset, tmp_path):
     assert [r["step"] for r in read_metrics(out)] == [8, 16, 24]
     assert [s for s, _ in scalars["step/loss"]] == [4, 8, 12, 16, 20, 24]
     assert next((out / dashboard.FOLDER).iterdir()) == log_file, "the first session's file continued"
-    losses = progress_losses(first.stdout) + progress_losses(second.stdout)[:1] + progress_losses(third.stdout)
-    np.testing.assert_allclose([v for _, v in scalars["step/loss"]], losses, atol=6e-5, rtol=0)
+    lines = progress_lines(first.stdout) + progress_lines(second.stdout)[:1] + progress_lines(third.stdout)
+    # each figure to the digits the line prints it with (4, 5 and 0 decimals), plus float32's rounding
+    for column, tag, atol in ((0, "step/loss", 6e-5), (1, "step/lr", 6e-6), (2, "step/images_per_sec", 0.51)):
+        np.testing.assert_allclose([v for _, v in scalars[tag]], [x[column] for x in lines], atol=atol, err_msg=tag)
+    step_tags = [tag for tag in scalars if tag.startswith(dashboard.STEP_GROUP + "/")]
+    assert len(step_tags) == 6 and all([s for s, _ in scalars[t]] == [4, 8, 12, 16, 20, 24] for t in step_tags)
 
 
 def run_python(code: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -1,0 +1,190 @@
+"""Load an exported model once, then classify batches of images: Paddle Inference, paddle.jit or ONNX Runtime."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Callable, Union
+
+import numpy as np
+from PIL import Image
+
+from . import cpu, export
+
+BACKENDS = ("auto", "inference", "jit", "onnx")
+BATCH = 256  # images per forward pass, so memory stays flat however many images are given
+ImageLike = Union[str, os.PathLike, Image.Image, np.ndarray]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z -= z.max(axis=1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def normalise(pixels: np.ndarray, meta: dict) -> np.ndarray:
+    """float32 network input from uint8 (N, C, H, W) pixels, as the contract in the metadata says."""
+    c = len(meta["mean"])
+    mean = np.asarray(meta["mean"], np.float32).reshape(1, c, 1, 1)
+    std = np.asarray(meta["std"], np.float32).reshape(1, c, 1, 1)
+    return (pixels.astype(np.float32) * np.float32(1 / 255) - mean) / std
+
+
+def _inference_runner(prefix: Path, meta: dict, threads: int, device: str) -> Callable[[np.ndarray], np.ndarray]:
+    """Paddle Inference (oneDNN on for the CPU): the engine Paddle ships for deployment."""
+    from paddle import inference
+
+    program, params = export.program_files(meta["files"])
+    config = inference.Config(str(prefix.parent / program), str(prefix.parent / params))
+    config.disable_glog_info()
+    if device.startswith("gpu"):
+        config.enable_use_gpu(256, int(device.partition(":")[2] or 0))
+    else:
+        config.disable_gpu()
+        config.enable_mkldnn()
+        config.set_cpu_math_library_num_threads(threads)
+    predictor = inference.create_predictor(config)
+    source = predictor.get_input_handle(predictor.get_input_names()[0])
+    sink = predictor.get_output_handle(predictor.get_output_names()[0])
+
+    def run(x: np.ndarray) -> np.ndarray:
+        source.reshape(list(x.shape))
+        source.copy_from_cpu(np.ascontiguousarray(x))
+        predictor.run()
+        return sink.copy_to_cpu()
+
+    return run
+
+
+def _jit_runner(prefix: Path, meta: dict, threads: int, device: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The exported program through paddle.jit.load in dygraph: no inference engine needed."""
+    import paddle
+
+    paddle.set_device(device)
+    if device == "cpu":
+        paddle.base.core.set_num_threads(threads)
+    layer, _ = export.load_exported(prefix)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        with paddle.no_grad():
+            return layer(paddle.to_tensor(x)).numpy()
+
+    return run
+
+
+def _onnx_runner(prefix: Path, meta: dict, threads: int, device: str) -> Callable[[np.ndarray], np.ndarray]:
+    """ONNX Runtime on the file python -m paddle_mnist.export --onnx wrote."""
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise export.ExportError("the onnx backend needs ONNX Runtime: pip install -r requirements-onnx.txt") from e
+    onnx_file = export.onnx_path(prefix)
+    if "onnx" not in meta or not onnx_file.is_file():
+        raise export.ExportError(
+            f"{prefix}: no ONNX model here ({onnx_file.name} is missing); convert first: "
+            f"python -m paddle_mnist.export --onnx {prefix}"
+        )
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.log_severity_level = 3
+    session = onnxruntime.InferenceSession(str(onnx_file), options, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    return lambda x: session.run(None, {name: x})[0]
+
+
+RUNNERS = {"inference": _inference_runner, "jit": _jit_runner, "onnx": _onnx_runner}
+
+
+class Predictor:
+    """An exported model, loaded once: `Predictor.load("output/inference").predict(["shoe.png"])`.
+
+    It takes image files, PIL images or arrays (uint8 pixels 0-255, or floats 0-1; (H, W), (H, W, C), (C, H, W),
+    or a batch of those), turns each into the model's pixels with the trainer's preprocessing, and runs them in
+    batches of up to 256.
+    """
+
+    def __init__(self, prefix: Path, meta: dict, backend: str, run: Callable[[np.ndarray], np.ndarray]):
+        self.prefix, self.meta, self.backend, self._run = prefix, meta, backend, run
+
+    @classmethod
+    def load(cls, prefix: str | os.PathLike, backend: str = "auto", threads: int = 1, device: str = "cpu") -> Predictor:
+        """backend: "inference" (Paddle Inference), "jit" (paddle.jit.load), "onnx" (ONNX Runtime, after
+        python -m paddle_mnist.export --onnx), or "auto": Paddle Inference, else paddle.jit. A folder is read as
+        FOLDER/inference. ExportError says what is missing or unreadable."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        prefix = Path(prefix)
+        if prefix.is_dir():
+            prefix = prefix / "inference"
+        meta = export.read_export(prefix)
+        warnings.filterwarnings("ignore", message="No ccache found")  # import paddle's note about building C++
+        cpu.prefer_fast_kernels()  # the trainer's MKL setting; MKL reads it at its first call, which comes later
+        if backend != "auto":
+            return cls(prefix, meta, backend, RUNNERS[backend](prefix, meta, threads, device))
+        try:
+            return cls(prefix, meta, "inference", _inference_runner(prefix, meta, threads, device))
+        except Exception:  # an export Paddle Inference cannot take: the dygraph path still can
+            return cls(prefix, meta, "jit", _jit_runner(prefix, meta, threads, device))
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.meta["classes"])
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return tuple(self.meta["image_shape"])
+
+    def pixels(self, image: ImageLike) -> np.ndarray:
+        """One image as the model's uint8 (C, H, W) pixels."""
+        from .predict import image_pixels, load_image
+
+        background = tuple(self.meta.get("background", (0,)))
+        if isinstance(image, (str, os.PathLike)):
+            return load_image(image, self.image_shape, background)
+        if isinstance(image, Image.Image):
+            return image_pixels(image, self.image_shape, background)
+        array = np.asarray(image)
+        if array.dtype != np.uint8:
+            if not np.issubdtype(array.dtype, np.floating):
+                raise TypeError(f"arrays must be uint8 pixels or floats in [0, 1], not {array.dtype}")
+            array = np.clip(np.rint(array * 255), 0, 255).astype(np.uint8)
+        c, h, w = self.image_shape
+        if array.shape == (c, h, w):
+            return array
+        if array.ndim == 3 and array.shape[0] in (1, 3) and array.shape[2] not in (1, 3, 4):
+            array = array.transpose(1, 2, 0)  # (C, H, W) of another size
+        if array.ndim == 3 and array.shape[2] == 1:
+            array = array[:, :, 0]
+        if array.ndim not in (2, 3):
+            raise ValueError(f"an image array must be (H, W), (H, W, C) or (C, H, W), not of shape {array.shape}")
+        return image_pixels(Image.fromarray(array), self.image_shape, background)
+
+    def _images(self, images: ImageLike | Sequence[ImageLike]) -> list[ImageLike]:
+        if isinstance(images, np.ndarray) and images.ndim == 4:
+            return list(images)
+        if isinstance(images, (str, os.PathLike, Image.Image, np.ndarray)):
+            return [images]
+        return list(images)
+
+    def logits(self, pixels: np.ndarray) -> np.ndarray:
+        """The network's output for uint8 (N, C, H, W) pixels: logits, (N, classes)."""
+        out = [self._run(normalise(pixels[lo : lo + BATCH], self.meta)) for lo in range(0, len(pixels), BATCH)]
+        return np.concatenate(out) if out else np.zeros((0, len(self.classes)), np.float32)
+
+    def probabilities(self, images: ImageLike | Sequence[ImageLike]) -> np.ndarray:
+        """Class probabilities (softmax of the logits), (N, classes), in the order given."""
+        items = self._images(images)
+        return softmax(self.logits(np.stack([self.pixels(i) for i in items]) if items else np.zeros((0,))))
+
+    def predict(self, images: ImageLike | Sequence[ImageLike], top: int = 3) -> list[list[dict]]:
+        """Per image, its `top` most likely classes: [{"class": index, "name": name, "probability": p}, ...]."""
+        probs = self.probabilities(images)
+        best = np.argsort(-probs, axis=1, kind="stable")[:, : min(top, len(self.classes))]
+        return [
+            [{"class": int(k), "name": self.classes[k], "probability": float(p[k])} for k in row]
+            for p, row in zip(probs, best)
+        ]

@@ -1,0 +1,266 @@
+"""Deploying a trained export: the Predictor on each backend, the ONNX conversion, the contract, the docs' snippets."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from helpers import REPO, TRAIN_PY
+from PIL import Image
+
+from paddle_mnist import Predictor, checkpoint, data
+from paddle_mnist.models import build_model
+from paddle_mnist.predictor import softmax
+
+HAS_ONNX = all(importlib.util.find_spec(m) for m in ("paddle2onnx", "onnxruntime"))
+NO_ONNX = "paddle2onnx and onnxruntime are not installed here (pip install -r requirements-onnx.txt; CI installs it)"
+SHOE, SHIRT = 0, 4  # Fashion-MNIST test images 0 (an ankle boot) and 4 (a shirt)
+
+
+def env() -> dict:
+    return {k: v for k, v in os.environ.items() if k != "GLOG_minloglevel"} | {"PYTHONPATH": str(REPO)}
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env(), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A default model trained for one short epoch by the real command, and two Fashion-MNIST test images."""
+    root = tmp_path_factory.mktemp("deploy")
+    args = ["--train-limit", "1000", "--eval-limit", "200", "--epochs", "1", "--output-dir", str(root / "output")]
+    proc = run([str(TRAIN_PY), *args], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    test = data.load_dataset("fashion-mnist", None).test
+    Image.fromarray(test.images[SHOE, 0]).save(root / "shoe.png")
+    Image.fromarray(test.images[SHIRT, 0]).save(root / "shirt.png")
+    return root, test
+
+
+@pytest.fixture(scope="module")
+def onnx_export(trained):
+    """The trained export converted to ONNX by the real command (where paddle2onnx is installed)."""
+    if not HAS_ONNX:
+        pytest.skip(NO_ONNX)
+    root, _ = trained
+    proc = run(["-m", "paddle_mnist.export", "--onnx", str(root / "output" / "inference")], cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "output" / "inference.onnx"
+
+
+def network_in_memory(out: Path) -> paddle.nn.Layer:
+    config = json.loads((out / "config.json").read_text())
+    meta = json.loads((out / "inference_meta.json").read_text())
+    net = build_model(config["model"], len(meta["classes"]), tuple(meta["image_shape"]))
+    net.set_state_dict(checkpoint.load(out / "model.pdparams"))
+    net.eval()
+    return net
+
+
+@pytest.mark.slow
+def test_the_contract_in_the_metadata_is_what_paddle_inference_reports(trained):
+    root, test = trained
+    meta = json.loads((root / "output" / "inference_meta.json").read_text())
+    from paddle import inference
+
+    program = next(n for n in meta["files"] if n.endswith((".json", ".pdmodel")))
+    config = inference.Config(str(root / "output" / program), str(root / "output" / "inference.pdiparams"))
+    config.disable_glog_info()
+    engine = inference.create_predictor(config)
+    assert engine.get_input_names() == [meta["input"]["name"]] == ["image"]
+    assert engine.get_output_names() == [meta["output"]["name"]]
+    assert meta["input"]["shape"] == [-1, *meta["image_shape"]] == [-1, 1, 28, 28]
+    assert meta["output"]["shape"] == [-1, len(meta["classes"])] and "logits" in meta["output"]["values"]
+    assert meta["classes"] == list(data.FASHION) and meta["paddle"] == paddle.__version__
+    assert meta["background"] == [0], "Fashion-MNIST's ground is black"
+    mean, std = data.channel_stats(data.load_dataset("fashion-mnist", None).train.images)
+    assert np.allclose(meta["mean"], mean) and np.allclose(meta["std"], std)
+
+
+@pytest.mark.slow
+def test_paddle_inference_and_jit_give_the_trained_networks_probabilities(trained):
+    root, test = trained
+    images = test.images[:256]
+    net = network_in_memory(root / "output")
+    with paddle.no_grad():
+        x = paddle.to_tensor(data.normalise(images, *json_stats(root)))
+        expected = softmax(net(x).numpy())
+    for backend in ("inference", "jit"):
+        predictor = Predictor.load(root / "output", backend=backend)
+        assert predictor.backend == backend
+        got = predictor.probabilities(images)
+        assert got.shape == (256, 10)
+        assert np.abs(got - expected).max() < 1e-5, backend
+    assert Predictor.load(root / "output").backend == "inference", "the default engine is Paddle Inference"
+
+
+def json_stats(root: Path) -> tuple[tuple, tuple]:
+    meta = json.loads((root / "output" / "inference_meta.json").read_text())
+    return tuple(meta["mean"]), tuple(meta["std"])
+
+
+@pytest.mark.slow
+def test_files_pil_images_and_arrays_are_the_same_image_to_the_predictor(trained):
+    root, test = trained
+    predictor = Predictor.load(root / "output")
+    pixels = test.images[SHOE, 0]
+    forms = [
+        root / "shoe.png",
+        str(root / "shoe.png"),
+        Image.open(root / "shoe.png"),
+        pixels,
+        pixels[None],
+        pixels[:, :, None],
+        pixels.astype(np.float32) / 255,
+        test.images[SHOE : SHOE + 1],
+    ]
+    expected = predictor.probabilities([pixels])
+    for form in forms:
+        assert np.abs(predictor.probabilities(form) - expected).max() < 1e-6, type(form)
+    batch = predictor.probabilities([root / "shoe.png", root / "shirt.png"])
+    assert np.abs(batch - predictor.probabilities(test.images[[SHOE, SHIRT]])).max() < 1e-6
+    top = predictor.predict(root / "shirt.png", top=3)[0]
+    assert [t["name"] for t in top] == [predictor.classes[t["class"]] for t in top]
+    assert top[0]["probability"] >= top[1]["probability"] >= top[2]["probability"]
+    with pytest.raises(ValueError, match="shape"):
+        predictor.probabilities(np.zeros((2, 3, 4, 5, 6), np.uint8))
+
+
+@pytest.mark.slow
+def test_a_transparent_background_is_laid_on_the_black_the_model_was_trained_on(trained, tmp_path):
+    """An MNIST-type image whose black ground is made transparent is classified as the opaque image is."""
+    root, test = trained
+    predictor = Predictor.load(root / "output")
+    paths = []
+    for i in range(20):
+        grey = test.images[i, 0]
+        rgba = np.stack([grey, grey, grey, np.where(grey == 0, 0, 255).astype(np.uint8)], axis=-1)
+        paths.append(tmp_path / f"{i}.png")
+        Image.fromarray(rgba, "RGBA").save(paths[-1])
+    opaque = predictor.probabilities(test.images[:20])
+    assert np.abs(predictor.probabilities(paths) - opaque).max() < 1e-6
+    proc = run(
+        ["-m", "paddle_mnist.predict", "--model", str(root / "output" / "inference"), "--json", "--image"]
+        + [str(p) for p in paths],
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [r["top"][0]["class"] for r in json.loads(proc.stdout)] == list(opaque.argmax(axis=1))
+
+
+@pytest.mark.slow
+def test_onnx_runtime_gives_paddles_probabilities_on_real_images(trained, onnx_export):
+    root, test = trained
+    meta = json.loads((root / "output" / "inference_meta.json").read_text())
+    assert meta["onnx"]["file"] == onnx_export.name and onnx_export.is_file()
+    images = test.images[:256]
+    paddle_probs = Predictor.load(root / "output", backend="jit").probabilities(images)
+    onnx_probs = Predictor.load(root / "output", backend="onnx").probabilities(images)
+    assert np.abs(onnx_probs - paddle_probs).max() < 1e-5
+    prefix = str(root / "output" / "inference")
+    proc = run(
+        ["-m", "paddle_mnist.predict", "--model", prefix, "--backend", "onnx", "--json", "--image", "shoe.png"],
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)[0]["top"][0]["class"] == int(paddle_probs[SHOE].argmax())
+
+
+@pytest.mark.slow
+def test_the_onnx_backend_before_a_conversion_is_one_error_line(trained, tmp_path):
+    root, _ = trained
+    fresh = tmp_path / "output"
+    fresh.mkdir()
+    for p in (root / "output").glob("inference*"):
+        if p.suffix != ".onnx":
+            (fresh / p.name).write_bytes(p.read_bytes())
+    meta = json.loads((fresh / "inference_meta.json").read_text())
+    meta.pop("onnx", None)
+    (fresh / "inference_meta.json").write_text(json.dumps(meta))
+    proc = run(
+        [
+            "-m",
+            "paddle_mnist.predict",
+            "--model",
+            str(fresh / "inference"),
+            "--backend",
+            "onnx",
+            "--image",
+            str(root / "shoe.png"),
+        ],
+        cwd=root,
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and ("export --onnx" in errors[0] or "requirements-onnx.txt" in errors[0]), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def python_blocks(page: Path) -> list[str]:
+    """The page's indented code blocks that are Python (they start with an import)."""
+    blocks, current = [], []
+    for line in page.read_text().splitlines() + [""]:
+        if line.startswith("    ") or (current and not line.strip()):
+            current.append(line[4:])
+            continue
+        text = "\n".join(current).strip()
+        if text.startswith(("import ", "from ")):
+            blocks.append(text + "\n")
+        current = []
+    return blocks
+
+
+DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SNIPPETS = [(page.name, i, block) for page in DOC_PAGES for i, block in enumerate(python_blocks(page))]
+
+
+def test_the_docs_hold_python_snippets_to_check():
+    pages = {name for name, _, _ in SNIPPETS}
+    assert {"README.md", "training.md", "deploy.md"} <= pages
+    assert sum(name == "deploy.md" for name, _, _ in SNIPPETS) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page,index,block", SNIPPETS, ids=[f"{n}-{i}" for n, i, _ in SNIPPETS])
+def test_every_python_snippet_in_the_docs_runs_on_a_trained_run(trained, onnx_ready, page, index, block):
+    """Each snippet runs as written in a folder holding output/ (a real run) and shoe.png, shirt.png; where it
+    prints a class for an image, that is the Predictor's class for it."""
+    root, _ = trained
+    if "onnxruntime" in block:
+        onnx_ready()
+    proc = run(["-c", block], cwd=root)
+    assert proc.returncode == 0, f"{page} snippet {index}:\n{block}\n{proc.stderr[-3000:]}"
+    predictor = Predictor.load(root / "output")
+    for line in proc.stdout.splitlines():
+        match = re.match(r"(\w+\.png) (.+)", line)
+        if match:
+            expected = predictor.predict(root / match[1], top=1)[0][0]["name"]
+            assert match[2].startswith(expected), (page, index, line, expected)
+
+
+@pytest.fixture
+def onnx_ready(request):
+    def need() -> None:
+        request.getfixturevalue("onnx_export")
+
+    return need
+
+
+def test_every_name_the_docs_import_exists():
+    """Every import line of the docs' Python snippets resolves (the fast half of the check above)."""
+    for page, index, block in SNIPPETS:
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith("paddle_mnist"):
+                module = __import__(node.module, fromlist=["_"])
+                for alias in node.names:
+                    assert hasattr(module, alias.name), f"{page} snippet {index}: {node.module}.{alias.name}"
