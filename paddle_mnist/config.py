@@ -22,7 +22,8 @@ PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch 
 @dataclass(frozen=True)
 class Recipe:
     """A model's default training recipe: what --lr, --warmup-epochs, --epochs, --weight-decay and --batch-size
-    are when not given. Chosen by measurement on MNIST and Fashion-MNIST (docs/results.md)."""
+    are when not given. Chosen by measurement on MNIST and Fashion-MNIST (docs/results.md), except minigooglenet's:
+    the former defaults, too slow to measure on a 2-core machine."""
 
     lr: float
     warmup_epochs: float
