@@ -20,6 +20,41 @@ EXPORTS = ("last", "best")  # which weights --export writes for inference
 PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """A model's default training recipe: what --lr, --warmup-epochs, --epochs, --weight-decay and --batch-size
+    are when not given. Chosen by measurement on MNIST and Fashion-MNIST (docs/results.md), except minigooglenet's:
+    the former defaults, too slow to measure on a 2-core machine."""
+
+    lr: float
+    warmup_epochs: float
+    epochs: int
+    weight_decay: float
+    batch_size: int = 0  # 0 = PER_WORKER_BATCH x world size
+
+
+# The warmup is what keeps a start from stalling: at the full rate from the first step, the first updates are
+# large enough to push every ReLU of mnist_cnn below zero for good on some seeds (docs/training.md#recipes-by-model)
+RECIPES = {
+    "mnist_cnn": Recipe(lr=0.05, warmup_epochs=0.2, epochs=10, weight_decay=5e-4),
+    "mnist_cnn_bn": Recipe(lr=0.05, warmup_epochs=0.2, epochs=8, weight_decay=5e-4),
+    "mnist_cnn_bn_fc": Recipe(lr=0.05, warmup_epochs=0.0, epochs=8, weight_decay=5e-4),
+    "minigooglenet": Recipe(lr=0.05, warmup_epochs=0.0, epochs=8, weight_decay=5e-4),
+    "cifar_cnn": Recipe(lr=0.02, warmup_epochs=0.2, epochs=8, weight_decay=1e-4),
+}
+RECIPE_FLAGS = tuple(f.name for f in dataclasses.fields(Recipe))
+
+
+def recipe_table() -> str:
+    """The recipes as --help shows them."""
+    lines = ["default recipes by --model (a flag given on the command line wins):"]
+    lines.append(f"  {'model':<16} {'lr':>6} {'warmup':>7} {'epochs':>7} {'weight decay':>13}  batch")
+    for name, r in RECIPES.items():
+        batch = r.batch_size or f"{PER_WORKER_BATCH} x workers"
+        lines.append(f"  {name:<16} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}")
+    return "\n".join(lines)
+
+
 class ConfigError(ValueError):
     """A configuration the run cannot start with; the message names the problem and the fix."""
 
@@ -31,6 +66,7 @@ class Config:
     model: str = "mnist_cnn_bn_fc"
     augment: bool = False  # parse_args fills in the dataset's default when neither flag is given
     shift: int | None = None  # largest random shift in pixels when augmenting; None: the dataset's policy
+    # epochs, batch_size, lr, warmup_epochs and weight_decay: parse_args fills in the model's recipe (RECIPES)
     epochs: int = 8
     max_steps: int = 0
     batch_size: int = 0  # global batch of one optimizer step; 0 = PER_WORKER_BATCH x world size
@@ -93,6 +129,10 @@ def _add_count(p: argparse.ArgumentParser, flag: str, help: str) -> None:
     p.add_argument(flag, type=_non_negative(flag), default=getattr(Config(), field), help=help)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help, and the recipe table kept as laid out."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = Config()
     p = argparse.ArgumentParser(
@@ -101,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Data-parallel image classification with PaddlePaddle. Start it as any Paddle job: "
             "python -m paddle.distributed.launch --nproc_per_node 2 --log_dir log train.py [options]"
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=recipe_table(),
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--dataset", default=d.dataset, choices=(*DATASETS, FOLDER), help="dataset to train on")
     p.add_argument(
@@ -127,19 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     from .models import MODELS  # the registry names the models; imported here, so config loads without Paddle
 
     p.add_argument("--model", default=d.model, choices=tuple(MODELS), help="network to train")
-    _add_count(p, "--epochs", "passes over the training split")
+    p.add_argument(
+        "--epochs", type=_non_negative("--epochs"), help="passes over the training split (None: the model's recipe)"
+    )
     _add_count(
         p,
         "--max-steps",
         "stop after this many optimizer steps in all; the schedule stays planned over --epochs (0: no limit)",
     )
-    _add_count(
-        p,
+    p.add_argument(
         "--batch-size",
-        f"global batch of one optimizer step, split evenly across workers (0: {PER_WORKER_BATCH} x workers)",
+        type=_non_negative("--batch-size"),
+        help="global batch of one optimizer step, split evenly across workers "
+        f"(None: the model's recipe; 0: {PER_WORKER_BATCH} x workers)",
     )
     _add_count(p, "--eval-batch-size", "per-worker eval batch")
-    p.add_argument("--lr", type=float, default=d.lr, help="base learning rate")
+    p.add_argument("--lr", type=float, help="base learning rate (None: the model's recipe)")
     p.add_argument(
         "--lr-schedule",
         default=d.lr_schedule,
@@ -149,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warmup-epochs",
         type=float,
-        default=d.warmup_epochs,
-        help="raise the learning rate linearly from 0 over this many epochs, then decay as --lr-schedule says",
+        help="raise the learning rate linearly from 0 over this many epochs, then decay as --lr-schedule says "
+        "(None: the model's recipe)",
     )
     p.add_argument(
         "--lr-scaling",
@@ -177,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="mixed precision: fp16 (GPU, with loss scaling) or bf16; off: float32",
     )
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help="L2 weight decay")
+    p.add_argument("--weight-decay", type=float, help="L2 weight decay (None: the model's recipe)")
     p.add_argument(
         "--clip-grad-norm",
         type=float,
@@ -357,6 +401,9 @@ def profile_window(text: str) -> tuple[int, int] | None:
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a Config; argparse exits with status 2 on malformed flags."""
     ns = build_parser().parse_args(argv)
+    for name in RECIPE_FLAGS:
+        if getattr(ns, name) is None:
+            setattr(ns, name, getattr(RECIPES[ns.model], name))
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})

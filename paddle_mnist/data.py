@@ -160,6 +160,10 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
     if name not in DATASETS:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     path = Path(data_dir) if data_dir else REPO_DATA / name
+    if name == "mnist-json" and not data_dir:
+        from .download import build_shipped_mnist_json  # download imports this module
+
+        build_shipped_mnist_json(path)  # in 10 s or so, the first time, from data/mnist
     if not path.exists():
         raise _missing(path, name, "no such folder")
     verify_checksums(path if path.is_dir() else path.parent)

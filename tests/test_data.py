@@ -186,6 +186,23 @@ def test_only_the_array_reconstruction_globals_are_admitted(module, name):
         formats.safe_unpickle(pickle.dumps(Global(), protocol=2), "batch")
 
 
+# ---- the shipped MNIST ----
+
+PUBLISHED_COUNTS = {  # images per digit 0..9, as published with MNIST
+    "train": [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949],
+    "test": [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009],
+}
+
+
+def test_shipped_mnist_loads_with_the_published_label_counts():
+    ds = data.load_dataset("mnist")
+    for split, got in (("train", ds.train), ("test", ds.test)):
+        assert got.images.shape[1:] == (1, 28, 28)
+        assert np.bincount(got.labels, minlength=10).tolist() == PUBLISHED_COUNTS[split]
+    assert ds.classes == data.DIGITS
+    assert round(ds.mean[0], 4) == 0.1307 and round(ds.std[0], 4) == 0.3081  # the figures every MNIST example uses
+
+
 # ---- mnist.json.gz ----
 
 

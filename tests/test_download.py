@@ -175,11 +175,13 @@ def test_offline_default_destination_is_where_the_trainer_looks(tmp_path):
     assert not target.exists()
 
 
-def test_shipped_fashion_mnist_is_already_in_place(tmp_path):
-    """Debian's re-compressed copies fail the published MD5s but match the shipped SHA256SUMS: nothing to fetch."""
-    folder = REPO_DATA / "fashion-mnist"
+@pytest.mark.parametrize("dataset", ["fashion-mnist", "mnist"])
+def test_shipped_dataset_is_already_in_place(tmp_path, dataset):
+    """The shipped copies are re-compressed (Debian's Fashion-MNIST, our MNIST): they fail the published MD5s but
+    match the shipped SHA256SUMS, so there is nothing to fetch."""
+    folder = REPO_DATA / dataset
     before = sorted(p.name for p in folder.iterdir())
-    proc = run(["fashion-mnist", "--mirror", closed_port_url()], cwd=tmp_path)
+    proc = run([dataset, "--mirror", closed_port_url()], cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert "already in place" in proc.stdout
     assert sorted(p.name for p in folder.iterdir()) == before
@@ -214,6 +216,36 @@ def test_builds_mnist_json_with_the_course_split(server, tmp_path):
     again = run(args, cwd=tmp_path)
     assert again.returncode == 0 and "already built" in again.stdout, explain(again)
     assert server.requests == []
+
+
+def test_mnist_json_is_built_offline_from_the_shipped_mnist(tmp_path):
+    dest = tmp_path / "dest"
+    proc = run(["mnist-json", "--data-dir", str(dest)], cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert f"using the MNIST files in {REPO_DATA / 'mnist'}" in proc.stdout
+    parts = read_mnist_json(dest / MNIST_JSON)
+    shipped = {split: read_idx(REPO_DATA / "mnist" / IDX[i], 1) for split, i in (("train", 1), ("t10k", 3))}
+    assert [len(parts[s][1]) for s in ("train", "valid", "eval")] == [50_000, 10_000, 10_000]
+    assert np.array_equal(np.concatenate([parts["train"][1], parts["valid"][1]]), shipped["train"])
+    assert np.array_equal(parts["eval"][1], shipped["t10k"])
+    assert np.array_equal(parts["valid"][0][:, 0], read_idx(REPO_DATA / "mnist" / IDX[0], 3)[50_000:])
+
+
+def test_workers_that_start_together_build_mnist_json_once(tmp_path):
+    """What the trainer does with --dataset mnist-json and no file yet: every worker asks, the first one builds."""
+    folder = tmp_path / "mnist-json"
+    code = f"import pathlib, paddle_mnist.download as d; d.build_shipped_mnist_json(pathlib.Path({str(folder)!r}))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=launch_env(), stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "".join(outs).count("built ") == 1
+    assert sorted(p.name for p in folder.iterdir()) == sorted([".build.lock", MNIST_JSON, SUMS])
+    assert (
+        folder / SUMS
+    ).read_text() == f"{hashlib.sha256((folder / MNIST_JSON).read_bytes()).hexdigest()}  {MNIST_JSON}\n"
 
 
 def test_unknown_dataset_is_a_usage_error(tmp_path):

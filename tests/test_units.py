@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import types
 
@@ -11,7 +12,7 @@ import pytest
 from helpers import REPO, idx_bytes, make_dataset, write_idx
 
 from paddle_mnist import config, data, formats
-from paddle_mnist.models import MnistCNN, count_parameters
+from paddle_mnist.models import MODELS, MnistCNN, count_parameters
 
 
 def test_default_global_batch_is_64_per_worker():
@@ -30,6 +31,24 @@ def test_batch_that_does_not_split_is_refused():
 def test_resume_and_overwrite_together_are_refused():
     with pytest.raises(config.ConfigError, match="contradict"):
         config.parse_args(["--resume", "--overwrite"])
+
+
+def test_each_model_trains_with_its_own_recipe_unless_a_flag_says_otherwise():
+    assert set(config.RECIPES) == set(MODELS)
+    for name, recipe in config.RECIPES.items():
+        cfg = config.parse_args(["--model", name])
+        assert {f: getattr(cfg, f) for f in config.RECIPE_FLAGS} == dataclasses.asdict(recipe)
+    flags = ["--lr", "0.01", "--warmup-epochs", "0", "--epochs", "3", "--weight-decay", "0", "--batch-size", "32"]
+    cfg = config.parse_args(["--model", "mnist_cnn", *flags])
+    assert (cfg.lr, cfg.warmup_epochs, cfg.epochs, cfg.weight_decay, cfg.batch_size) == (0.01, 0.0, 3, 0.0, 32)
+    assert config.parse_args([]) == config.Config()  # a Config built in code holds the default model's recipe
+
+
+def test_help_lists_every_recipe():
+    text = config.build_parser().format_help()
+    for name, r in config.RECIPES.items():
+        row = next(line.split() for line in text.splitlines() if line.split()[:1] == [name])
+        assert [float(v) for v in row[1:5]] == [r.lr, r.warmup_epochs, r.epochs, r.weight_decay]
 
 
 def test_config_round_trips_through_json(tmp_path):
