@@ -86,8 +86,8 @@ def gpu_shortfall(local_workers: int, visible_gpus: int) -> str | None:
         return None
     return (
         f"{local_workers} workers were started on this node but only {visible_gpus} GPU(s) are visible; "
-        f"start at most {visible_gpus} (--gpus {','.join(map(str, range(max(visible_gpus, 1))))}) "
-        "or check CUDA_VISIBLE_DEVICES"
+        f"start at most {visible_gpus} (list at most {visible_gpus} of the visible GPUs' labels in --gpus, the "
+        "labels of CUDA_VISIBLE_DEVICES where it is set) or check CUDA_VISIBLE_DEVICES"
     )
 
 
@@ -200,10 +200,11 @@ def amp_problem(amp: str, device: str, capability: tuple[int, int] | None) -> st
     Below these compute capabilities paddle.amp.auto_cast turns itself off with only a UserWarning and the run
     is float32 (_is_gpu_float16_supported and _is_gpu_bfloat16_supported in paddle/amp/auto_cast.py).
     """
-    if amp == "fp16" and device == "cpu":
+    if amp != "off" and device == "cpu":
+        # on CPU auto_cast leaves the network's outputs in float32 for bf16 too (tests/test_recipes.py checks it)
         return (
-            "--amp fp16 needs a GPU: Paddle's CPU kernels compute in float32 or bfloat16; "
-            "use --amp bf16 or --amp off on CPU"
+            f"--amp {amp} needs a GPU: on CPU Paddle's auto_cast leaves the network in float32, so the run "
+            "would be a float32 run under an amp label; drop --amp (or use --amp off) on CPU"
         )
     if capability is None or amp == "off":
         return None

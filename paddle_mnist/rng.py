@@ -54,18 +54,24 @@ def to_restore(saved: Sequence[dict], rank: int, world_size: int, device: str) -
         notes.append(f"no state is saved for {_ranks(n, world_size)} ({n} workers saved, {world_size} now)")
     entry = saved[rank] if rank < n else {}
     gpu = entry.get("gpu")
+    lacking = n < world_size  # some rank of this job finds no state of its own
     if gpu is not None and gpu_index(device) is None:
         notes.append(f"rank {rank}'s GPU generator state is dropped (saved on {entry.get('device')}, now on CPU)")
         gpu = None
     elif gpu is None and entry and gpu_index(device) is not None:
         notes.append(f"rank {rank}'s GPU generator has no saved state (saved on {entry.get('device')})")
+        lacking = True
     chosen = {"cpu": entry.get("cpu"), "gpu": gpu}
     if not notes:
         return chosen, None
     return chosen, (
         "warning: --resume: the checkpoint's random generator states do not match this job: "
         + "; ".join(notes)
-        + "; those generators start from --seed, so dropout and random layers do not continue bit for bit"
+        + (
+            "; those generators start from --seed, so dropout and random layers do not continue bit for bit"
+            if lacking
+            else "; every generator of this job gets its own saved state back"
+        )
     )
 
 

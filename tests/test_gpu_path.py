@@ -65,6 +65,7 @@ def test_four_gpu_states_resume_on_two_gpus_dropping_ranks_2_and_3_with_one_line
         assert (seed_of(chosen["cpu"]), seed_of(chosen["gpu"])) == (100 + rank, 200 + rank)
         assert warning.startswith("warning: ") and "\n" not in warning
         assert "the states of ranks 2-3 are dropped (4 workers saved, 2 now)" in warning
+        assert warning.endswith("every generator of this job gets its own saved state back")
     _, warning = rng.to_restore(saved, 0, 3, "gpu:0")
     assert "the states of rank 3 are dropped" in warning
 
@@ -83,6 +84,7 @@ def test_more_workers_than_saved_and_cpu_states_on_a_gpu_are_named():
     chosen, warning = rng.to_restore(saved_by(["cpu", "cpu"]), 3, 4, "gpu:3")
     assert chosen == {"cpu": None, "gpu": None}
     assert "no state is saved for ranks 2-3 (2 workers saved, 4 now)" in warning
+    assert "start from --seed" in warning
     chosen, warning = rng.to_restore(saved_by(["cpu", "cpu"]), 1, 2, "gpu:1")
     assert seed_of(chosen["cpu"]) == 101 and chosen["gpu"] is None
     assert "rank 1's GPU generator has no saved state (saved on cpu)" in warning
@@ -206,7 +208,7 @@ def test_a_worker_notices_that_master_dropped_selected_gpus():
         ("bf16", "gpu:0", (8, 0), None),  # A100
         ("fp16", "gpu:0", (7, 0), None),
         ("off", "gpu:0", (6, 0), None),
-        ("bf16", "cpu", None, None),  # accepted on CPU, where it computes in float32 (docs/training.md)
+        ("bf16", "cpu", None, "--amp bf16 needs a GPU"),  # auto_cast stays float32 on CPU (test_recipes.py)
     ],
 )
 def test_amp_problem(amp, device, capability, refused):

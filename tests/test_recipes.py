@@ -6,6 +6,7 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     cifar_members,
     explain,
     make_dataset,
@@ -120,7 +121,7 @@ def mnist_dir(tmp_path_factory):
 @pytest.mark.slow
 def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights."""
-    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2"]
+    args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2"]
     args += ["--model", "mnist_cnn"]  # no batch norm: a worker's statistics would differ from the whole batch's
     args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]
     one = run_single([*args, "--output-dir", str(tmp_path / "one")], cwd=tmp_path)
@@ -141,7 +142,7 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
 def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(mnist_dir, tmp_path):
     """Each worker's running mean and variance come from its own shards; they are averaged before each
     evaluation, so the ranks end bit-identical and the accuracy they report together is that of the saved model."""
-    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--model", "mnist_cnn_bn", "--epochs", "2"]
+    args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--model", "mnist_cnn_bn", "--epochs", "2"]
     args += ["--batch-size", "64", "--log-every", "0", "--output-dir", str(tmp_path / "o")]
     proc = run_launch(args, tmp_path, tmp_path / "log")
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
@@ -162,12 +163,14 @@ def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(
 
 
 @pytest.mark.slow
-def test_fp16_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path):
-    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "fp16", "--output-dir", str(tmp_path / "o")]
+@pytest.mark.parametrize("amp", ["fp16", "bf16"])
+def test_amp_on_cpu_is_refused_before_anything_is_written(mnist_dir, tmp_path, amp):
+    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", amp, "--output-dir", str(tmp_path / "o")]
     proc = run_single(args, cwd=tmp_path)
     assert proc.returncode == 2
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
-    assert len(errors) == 1 and "--amp fp16 needs a GPU" in errors[0] and "--amp bf16" in errors[0]
+    assert len(errors) == 1 and f"--amp {amp} needs a GPU" in errors[0] and "drop --amp" in errors[0], errors
+    assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -211,20 +214,10 @@ def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
     assert result["steps"] == 3 and result["test_count"] == 8
 
 
-@pytest.mark.slow
-def test_amp_bf16_is_accepted_on_cpu_and_trains_to_the_end(mnist_dir, tmp_path):
-    """The flag, end to end; whether bfloat16 arithmetic happens is the next test's question."""
-    args = ["--dataset", "mnist", "--data-dir", str(mnist_dir), "--amp", "bf16", "--max-steps", "3", "--epochs", "1"]
-    proc = run_single([*args, "--log-every", "1", "--output-dir", str(tmp_path / "o")], cwd=tmp_path)
-    assert proc.returncode == 0, explain(proc)
-    assert "amp bf16" in proc.stdout
-    assert read_results(tmp_path / "o")["steps"] == 3
-
-
 def test_amp_bf16_on_cpu_computes_in_float32():
-    """What the README says of --amp bf16 on CPU: inside the trainer's auto_cast the network still computes in
-    float32 (Paddle leaves AMP off on CPU). A Paddle that does compute in bfloat16 here fails this test: then
-    the README's Mixed precision paragraph needs its figures measured again."""
+    """Why --amp bf16 is refused on CPU: inside the trainer's auto_cast the network still computes in float32
+    (Paddle leaves AMP off on CPU). A Paddle that does compute in bfloat16 here fails this test: then the refusal
+    in distributed.amp_problem and docs/training.md's Mixed precision paragraph are to be revisited."""
     paddle.set_device("cpu")
     cfg = config.Config(amp="bf16")
     net = build_model(cfg.model)
