@@ -27,6 +27,9 @@ TRAIN_PY = REPO / "train.py"
 # warms up (config.RECIPES); with it, test_parallel's 1-process and 2-worker weights differed by up to 2.5e-5 after
 # 16 steps, past the 1e-5 those tests hold them to. The recipe's own start is tests/test_first_steps.py's.
 TUTORIAL_CNN = ["--model", "mnist_cnn", "--warmup-epochs", "0"]
+# MNIST-type data trains with random shifts by default; the tests that compare a run with one process, or with
+# another run, were written for unshifted batches and keep them
+PLAIN_MNIST = ["--dataset", "mnist", "--no-augment"]
 
 
 def idx_bytes(array: np.ndarray) -> bytes:

@@ -21,8 +21,14 @@ from paddle_mnist import Predictor, checkpoint, data
 from paddle_mnist.models import build_model
 from paddle_mnist.predictor import softmax
 
-HAS_ONNX = all(importlib.util.find_spec(m) for m in ("paddle2onnx", "onnxruntime"))
-NO_ONNX = "paddle2onnx and onnxruntime are not installed here (pip install -r requirements-onnx.txt; CI installs it)"
+PADDLE_3 = int(paddle.__version__.split(".")[0]) >= 3
+HAS_ONNX = PADDLE_3 and all(importlib.util.find_spec(m) for m in ("paddle2onnx", "onnxruntime"))
+NO_ONNX = (
+    "paddle2onnx and onnxruntime are not installed here (pip install -r requirements-onnx.txt; CI installs them "
+    "beside Paddle 3.x)"
+    if PADDLE_3
+    else f"Paddle {paddle.__version__} writes .pdmodel exports, and paddle2onnx 2.1 reads Paddle 3.x's (inference.json)"
+)
 SHOE, SHIRT = 0, 4  # Fashion-MNIST test images 0 (an ankle boot) and 4 (a shirt)
 
 
@@ -83,6 +89,11 @@ def test_the_contract_in_the_metadata_is_what_paddle_inference_reports(trained):
     assert meta["output"]["shape"] == [-1, len(meta["classes"])] and "logits" in meta["output"]["values"]
     assert meta["classes"] == list(data.FASHION) and meta["paddle"] == paddle.__version__
     assert meta["background"] == [0], "Fashion-MNIST's ground is black"
+    fields = meta["input"]
+    assert fields["dtype"] == "float32" and fields["layout"] == "NCHW", fields
+    for key in ("channels", "pixels", "resize", "alpha"):
+        assert isinstance(fields.get(key), str) and fields[key], f"the contract's input.{key} is missing"
+    assert "255" in fields["pixels"] and "mean" in fields["pixels"], fields["pixels"]
     mean, std = data.channel_stats(data.load_dataset("fashion-mnist", None).train.images)
     assert np.allclose(meta["mean"], mean) and np.allclose(meta["std"], std)
 
@@ -102,6 +113,22 @@ def test_paddle_inference_and_jit_give_the_trained_networks_probabilities(traine
         assert got.shape == (256, 10)
         assert np.abs(got - expected).max() < 1e-5, backend
     assert Predictor.load(root / "output").backend == "inference", "the default engine is Paddle Inference"
+
+
+@pytest.mark.slow
+def test_auto_falls_back_to_jit_when_paddle_inference_cannot_take_the_export(trained, monkeypatch):
+    from paddle_mnist import predictor as predictor_module
+
+    root, test = trained
+
+    def refuse(*args):
+        raise RuntimeError("this build has no inference engine")
+
+    expected = Predictor.load(root / "output", backend="inference").probabilities(test.images[:16])
+    monkeypatch.setattr(predictor_module, "_inference_runner", refuse)
+    fallback = Predictor.load(root / "output")
+    assert fallback.backend == "jit"
+    assert np.abs(fallback.probabilities(test.images[:16]) - expected).max() < 1e-5
 
 
 def json_stats(root: Path) -> tuple[tuple, tuple]:
@@ -138,13 +165,15 @@ def test_files_pil_images_and_arrays_are_the_same_image_to_the_predictor(trained
 
 @pytest.mark.slow
 def test_a_transparent_background_is_laid_on_the_black_the_model_was_trained_on(trained, tmp_path):
-    """An MNIST-type image whose black ground is made transparent is classified as the opaque image is."""
+    """An MNIST-type image whose black ground is made transparent is classified as the opaque image is. White
+    lies under the transparent pixels, so a reader that dropped the alpha channel would see a white ground."""
     root, test = trained
     predictor = Predictor.load(root / "output")
     paths = []
     for i in range(20):
         grey = test.images[i, 0]
-        rgba = np.stack([grey, grey, grey, np.where(grey == 0, 0, 255).astype(np.uint8)], axis=-1)
+        colour = np.where(grey == 0, 255, grey).astype(np.uint8)
+        rgba = np.stack([colour, colour, colour, np.where(grey == 0, 0, 255).astype(np.uint8)], axis=-1)
         paths.append(tmp_path / f"{i}.png")
         Image.fromarray(rgba, "RGBA").save(paths[-1])
     opaque = predictor.probabilities(test.images[:20])
@@ -156,6 +185,7 @@ def test_a_transparent_background_is_laid_on_the_black_the_model_was_trained_on(
     )
     assert proc.returncode == 0, proc.stderr
     assert [r["top"][0]["class"] for r in json.loads(proc.stdout)] == list(opaque.argmax(axis=1))
+    assert proc.stderr.strip() == "", f"predict should print nothing to stderr here:\n{proc.stderr[-2000:]}"
 
 
 @pytest.mark.slow
@@ -240,6 +270,9 @@ def test_every_python_snippet_in_the_docs_runs_on_a_trained_run(trained, onnx_re
         onnx_ready()
     proc = run(["-c", block], cwd=root)
     assert proc.returncode == 0, f"{page} snippet {index}:\n{block}\n{proc.stderr[-3000:]}"
+    # a snippet that loads weights into the wrong network still exits 0, with Paddle's "Skip loading" warnings
+    skipped = [line for line in proc.stderr.splitlines() if "Skip loading" in line]
+    assert not skipped, f"{page} snippet {index} loads weights into another network:\n" + "\n".join(skipped[:5])
     predictor = Predictor.load(root / "output")
     for line in proc.stdout.splitlines():
         match = re.match(r"(\w+\.png) (.+)", line)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     TRAIN_PY,
     TUTORIAL_CNN,
     explain,
@@ -24,7 +25,7 @@ from helpers import (
 
 from paddle_mnist.lock import LOCK_NAME, RunLock
 
-ARGS = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--log-every", "1"]
+ARGS = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--log-every", "1"]
 ARGS += TUTORIAL_CNN
 
 

@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import TRAIN_PY, TUTORIAL_CNN, launch_env, make_dataset, rank_pid, reaped, wait_for
+from helpers import PLAIN_MNIST, TRAIN_PY, TUTORIAL_CNN, launch_env, make_dataset, rank_pid, reaped, wait_for
 
 from paddle_mnist.logs import main, summarise
 
-ARGS = ["--dataset", "mnist", "--batch-size", "64", "--log-every", "4", "--lr", "0.02"]
+ARGS = [*PLAIN_MNIST, "--batch-size", "64", "--log-every", "4", "--lr", "0.02"]
 ARGS += TUTORIAL_CNN
 
 

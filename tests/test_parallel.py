@@ -9,6 +9,7 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     TUTORIAL_CNN,
     explain,
     free_port,
@@ -29,7 +30,7 @@ from paddle_mnist.models import MnistCNN
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
 
-SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "4", "--lr", "0.02"]
+SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "201", "--log-every", "4", "--lr", "0.02"]
 SMALL += TUTORIAL_CNN
 
 

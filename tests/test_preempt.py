@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     TRAIN_PY,
     TUTORIAL_CNN,
     explain,
@@ -30,7 +31,7 @@ from paddle_mnist.logs import summarise
 
 pytestmark = pytest.mark.slow  # each test starts the trainer under the launcher and stops it with a signal
 
-ARGS = ["--dataset", "mnist", "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
+ARGS = [*PLAIN_MNIST, "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
 ARGS += TUTORIAL_CNN
 # 64 steps an epoch: the ranks meet about every 0.25 s, so a signal early in the epoch stops it mid-epoch
 ARGS += ["--log-every", "4", "--eval-limit", "100"]

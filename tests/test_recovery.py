@@ -16,6 +16,7 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     TRAIN_PY,
     TUTORIAL_CNN,
     explain,
@@ -36,7 +37,7 @@ from paddle_mnist.models import build_model
 
 pytestmark = pytest.mark.slow  # each test starts real trainer processes, and most of them stop or kill one
 
-ARGS = ["--dataset", "mnist", "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
+ARGS = [*PLAIN_MNIST, "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 ARGS += TUTORIAL_CNN
 ARGS += ["--batch-size", "64", "--epochs", "2"]
 
@@ -212,7 +213,7 @@ def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_pa
     says how to export again, and --resume yes on the finished run exports without training."""
     out = tmp_path / "o"
     (out / "inference.pdiparams" / "x").mkdir(parents=True)  # a folder where the export must put a file
-    args = ["--dataset", "mnist", "--data-dir", str(make_dataset(tmp_path / "d", n_train=128, n_test=32))]
+    args = [*PLAIN_MNIST, "--data-dir", str(make_dataset(tmp_path / "d", n_train=128, n_test=32))]
     args += ["--epochs", "1", "--batch-size", "32", "--log-every", "0", "--output-dir", str(out)]
     first = run_single(args, cwd=tmp_path)
     assert first.returncode == 1, explain(first)

@@ -10,6 +10,7 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     TUTORIAL_CNN,
     explain,
     read_metrics,
@@ -25,7 +26,7 @@ from paddle_mnist.config import Config, ConfigError, parse_args
 from paddle_mnist.models import MnistCNN, build_model, count_parameters
 from paddle_mnist.state import TrainState, make_optimizer
 
-SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "201", "--log-every", "0"]
+SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "201", "--log-every", "0"]
 SMALL += TUTORIAL_CNN
 CLIP = 0.5  # below the gradient norms of the first epochs here, so every step clips
 

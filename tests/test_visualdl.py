@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
+    PLAIN_MNIST,
     REPO,
     TUTORIAL_CNN,
     explain,
@@ -31,7 +32,7 @@ from visualdl import LogReader, LogWriter  # not importorskip: CI installs it; m
 from paddle_mnist import checkpoint, dashboard
 
 # 512 images in batches of 64: 8 steps an epoch, a progress line every 4 steps
-SMALL = ["--dataset", "mnist", "--train-limit", "512", "--eval-limit", "100", "--log-every", "4", "--lr", "0.02"]
+SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "100", "--log-every", "4", "--lr", "0.02"]
 SMALL += TUTORIAL_CNN
 SMALL += ["--batch-size", "64"]
 
