@@ -4,6 +4,8 @@ the host-to-device feed (its CPU path unchanged)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 
 import numpy as np
@@ -11,9 +13,13 @@ import paddle
 import pytest
 from helpers import cifar_members, explain, param_digest, run_single, write_cifar_archive
 
-from paddle_mnist import checkpoint, data, distributed, engine, export, rng, transfer
+from paddle_mnist import checkpoint, cli, data, distributed, engine, export, rng, session, transfer
+from paddle_mnist.config import Config
 from paddle_mnist.distributed import DistEnv
 from paddle_mnist.models import build_model
+from paddle_mnist.outputs import RunFiles
+from paddle_mnist.predictor import Predictor, normalise
+from paddle_mnist.state import TrainState
 
 GeneratorState = paddle.base.libpaddle.GeneratorState
 
@@ -246,6 +252,30 @@ def test_overflow_steps_are_left_out_of_the_norm_figures_and_counted_as_skipped(
     assert stats.clipped_share == 1.0
 
 
+def test_skipped_steps_reach_the_metrics_row_and_the_epoch_log_line(caplog):
+    """An fp16 epoch of 6 steps with --clip-grad-norm: 2 overflow steps, 2 of the other 4 clipped. The row of
+    metrics.jsonl and the clipping line count the skipped steps, and the clipped share is 2 of 4, not 2 of 6."""
+    paddle.set_device("cpu")
+    cfg = Config(model="mnist_cnn", clip_grad_norm=1.0, epochs=2)
+    one = DistEnv(0, 1, 0, 1, "none", "cpu")
+    state = TrainState.create(cfg, 10, (1, 28, 28), one, 6)
+    state.epoch, state.step = 0, 6
+    fields = {"loss": 0.5, "acc": 0.8, "images": 96, "seconds": 2.0, "input_wait": 0.1, "own_seconds": 2.0}
+    stats = engine.EpochStats(**fields, steps=6, phase_shares={}, samples=0, clipped=2, grad_norm=0.75, skipped=2)
+    val = engine.EvalStats(loss=0.4, acc=0.9, count=100)
+    row = json.loads(json.dumps(session.epoch_row(cfg, one, state, stats, val)))  # as metrics.jsonl holds it
+    assert (row["skipped_steps"], row["clipped_share"], row["grad_norm"]) == (2, 0.5, 0.75)
+    log = logging.getLogger("test_gpu_path.epoch")
+    with caplog.at_level(logging.INFO, logger=log.name):
+        session.log_epoch(log, cfg, row, stats)
+    clipping = [r.getMessage() for r in caplog.records if "gradient clipping" in r.getMessage()]
+    assert len(clipping) == 1, caplog.text
+    assert "clipped 2 of 4 steps (50%)" in clipping[0] and "mean norm before clipping 0.750" in clipping[0]
+    assert "2 step(s) skipped with inf/NaN gradients (fp16 overflow)" in clipping[0]
+    unclipped = session.epoch_row(Config(model="mnist_cnn", epochs=2), one, state, stats, val)
+    assert not {"skipped_steps", "clipped_share", "grad_norm"} & set(unclipped)  # the row without clipping, as before
+
+
 def sync_bn_network() -> paddle.nn.Layer:
     """mnist_cnn_bn_fc after --sync-bn's conversion (which runs on CPU; only the forward pass needs a GPU)."""
     paddle.seed(1)
@@ -275,6 +305,30 @@ def test_the_export_after_sync_bn_holds_plain_batch_norm_with_the_same_weights(t
     assert distributed.plain_batch_norm(unconverted, build_model("mnist_cnn_bn_fc")) is unconverted
 
 
+def test_the_runs_export_after_sync_bn_has_no_sync_batch_norm_and_classifies_on_cpu(tmp_path):
+    """cli._export, as the end of a --sync-bn run calls it with the converted network: the export it writes runs on
+    CPU through the predictor and gives the plain network's logits (exporting the converted one fails on CPU)."""
+    paddle.set_device("cpu")
+    synced = sync_bn_network()
+    cfg = Config(model="mnist_cnn_bn_fc", sync_bn=True, output_dir=str(tmp_path / "out"))
+    one = DistEnv(0, 1, 0, 1, "none", "cpu")
+    files = RunFiles(cfg, one, checkpoint.CheckpointStore(cfg.output_dir, cfg.keep_checkpoints))
+    pixels = np.random.RandomState(0).randint(0, 256, (4, 1, 28, 28)).astype(np.uint8)
+    split = data.Split(pixels[:2], np.zeros(2, np.int64))
+    ds = data.Dataset("mnist", split, split, split, mean=(0.5,), std=(0.25,), classes=data.DIGITS)
+    assert cli._export(files, synced, ds, cfg, best=None) is None
+    meta = export.read_export(tmp_path / "out" / "inference")
+    program = (tmp_path / "out" / export.program_files(meta["files"])[0]).read_bytes()
+    assert b"batch_norm" in program and b"sync_batch_norm" not in program
+    predictor = Predictor.load(tmp_path / "out", backend="jit")
+    plain = build_model("mnist_cnn_bn_fc")
+    plain.set_state_dict(synced.state_dict())
+    plain.eval()
+    expected = plain(paddle.to_tensor(normalise(pixels, meta))).numpy()
+    assert np.allclose(predictor.logits(pixels), expected, atol=1e-5)
+    assert [p[0]["class"] for p in predictor.predict(pixels, top=1)] == list(expected.argmax(axis=1))
+
+
 def test_the_sync_bn_network_itself_cannot_be_exported_on_cpu(tmp_path):
     """Why the plain copy: Paddle's CPU build has no sync_batch_norm kernel, and jit.save fails on it (3.3.1: a
     TypeError; 2.6.2: ValueError, "Operator sync_batch_norm has not been registered")."""
@@ -286,7 +340,7 @@ def test_the_sync_bn_network_itself_cannot_be_exported_on_cpu(tmp_path):
         paddle.jit.save(synced, str(tmp_path / "synced"), input_spec=[spec])
 
 
-def test_batches_are_pinned_and_copied_without_blocking_on_gpus_only():
+def test_batches_go_through_pinned_memory_on_gpus_only():
     assert [transfer.pins(d) for d in ("cpu", "gpu:0", "gpu:3")] == [False, True, True]
     assert not transfer.Feed("cpu").pinned and transfer.Feed("gpu:1").pinned
 
