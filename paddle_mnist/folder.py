@@ -9,8 +9,10 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import shutil
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,9 @@ VAL_NAMES = ("val", "valid")
 CHUNK = 256  # files per task of the decoding pool
 SAMPLE = 1000  # files of train/ whose headers choose the size and channels of the first decoding pass
 SHOWN = 3  # bad files named in one error line
+# what follows "<cache name>." in a build's temporary (tmp) or moved-aside (old) folder: the builder's pid and
+# host (none in the names of builds before hosts were named)
+LEFTOVER = re.compile(r"(?:tmp|old)(\d+)(?:@(.+))?")
 
 
 @dataclass(frozen=True)
@@ -73,24 +78,38 @@ def image_extensions() -> frozenset[str]:
 
 
 def _visible(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    """folder's entries but the hidden ones, sorted; none if folder vanished (removed by another program)."""
+    try:
+        return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+    except FileNotFoundError:
+        return []
 
 
-def _class_files(folder: str, rel: str, extensions: frozenset[str], ignored: list[str]) -> list[tuple[str, int, int]]:
+def _class_files(
+    folder: str, rel: str, extensions: frozenset[str], ignored: list[str]
+) -> list[tuple[str, int, int]] | None:
     """(relative path, size, mtime_ns) of the image files under folder, at any depth, sorted; the paths of the
-    other files go to ignored. rel is folder's path relative to the dataset's root, with forward slashes.
+    other files go to ignored. rel is folder's path relative to the dataset's root, with forward slashes. None when
+    folder itself vanished before it was read; a file or subfolder that vanishes while it is listed is left out: it
+    no longer exists.
 
     os.scandir and plain strings rather than pathlib: a start lists every file, and 70,000 Path objects cost
     seconds."""
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except FileNotFoundError:
+        return None
     found = []
-    with os.scandir(folder) as it:
-        entries = sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
     for entry in entries:
         path = f"{rel}/{entry.name}"
         if entry.is_dir():
-            found += _class_files(entry.path, path, extensions, ignored)
+            found += _class_files(entry.path, path, extensions, ignored) or []
         elif os.path.splitext(entry.name)[1].lower() in extensions:
-            st = entry.stat()
+            try:
+                st = entry.stat()
+            except FileNotFoundError:  # removed since the folder was read
+                continue
             found.append((path, st.st_size, st.st_mtime_ns))
         else:
             ignored.append(path)
@@ -126,6 +145,48 @@ def list_folder(root: str | Path) -> Listing:
             f"move each image into {train_dir}/<class name>/"
         )
     classes = tuple(p.name for p in _visible(train_dir) if p.is_dir())
+    _check_classes(train_dir, classes)
+    ignored: list[str] = []
+    listed: dict[str, dict[str, list[tuple[str, int, int]]]] = {}  # split -> class name -> its files
+    for split in ("train", "val", "test"):
+        folder = _split_folder(root, split)
+        if folder is None:
+            continue
+        names = list(classes) if split == "train" else [p.name for p in _visible(folder) if p.is_dir()]
+        if not names and not folder.is_dir():  # vanished since _split_folder saw it
+            continue
+        unknown = [name for name in names if name not in classes]
+        if unknown:
+            raise DataError(
+                f"{folder / unknown[0]}: a class that train/ lacks (train/ has {', '.join(classes)}); "
+                f"rename it to one of those, or add {train_dir / unknown[0]}/ with training images"
+            )
+        listed[split] = {}
+        for name in names:
+            files = _class_files(str(folder / name), f"{folder.name}/{name}", extensions, ignored)
+            if files is None:  # the class folder vanished while the dataset was listed: it no longer exists
+                continue
+            if not files:
+                raise DataError(
+                    f"{folder / name} holds no images (an image is a file Pillow can open, e.g. .png or .jpg); "
+                    "add images or remove the folder"
+                )
+            listed[split][name] = files
+        if split == "train" and len(listed[split]) < len(classes):
+            classes = tuple(name for name in classes if name in listed[split])
+            _check_classes(train_dir, classes)
+    splits = {
+        split: [
+            Entry(path, size, mtime, classes.index(name))
+            for name, files in by_class.items()
+            for path, size, mtime in files
+        ]
+        for split, by_class in listed.items()
+    }
+    return Listing(root, classes, splits, tuple(ignored))
+
+
+def _check_classes(train_dir: Path, classes: tuple[str, ...]) -> None:
     if not classes:
         raise DataError(f"{train_dir} holds no images; put each class's images in {train_dir}/<class name>/")
     if len(classes) < 2:
@@ -133,45 +194,24 @@ def list_folder(root: str | Path) -> Listing:
             f"{train_dir} holds one class folder ({classes[0]}/); a classifier needs at least two: "
             f"add a folder of images for each class"
         )
-    ignored: list[str] = []
-    splits: dict[str, list[Entry]] = {}
-    for split in ("train", "val", "test"):
-        folder = _split_folder(root, split)
-        if folder is None:
-            continue
-        names = [p.name for p in _visible(folder) if p.is_dir()]
-        unknown = [name for name in names if name not in classes]
-        if unknown:
-            raise DataError(
-                f"{folder / unknown[0]}: a class that train/ lacks (train/ has {', '.join(classes)}); "
-                f"rename it to one of those, or add {train_dir / unknown[0]}/ with training images"
-            )
-        entries = []
-        for name in names:
-            files = _class_files(str(folder / name), f"{folder.name}/{name}", extensions, ignored)
-            if not files:
-                raise DataError(
-                    f"{folder / name} holds no images (an image is a file Pillow can open, e.g. .png or .jpg); "
-                    "add images or remove the folder"
-                )
-            label = classes.index(name)
-            entries += [Entry(path, size, mtime, label) for path, size, mtime in files]
-        splits[split] = entries
-    return Listing(root, classes, splits, tuple(ignored))
 
 
 def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:
     """The files of each split of the dataset, in the cache's order (by Entry.key).
 
     Without val/, each class's val_split share of train/ (rounded, its files first by Entry.key) is held out for
-    validation: a choice made from the paths alone, the same on every worker, every resume and every --seed.
+    validation: a choice made from the paths alone, the same on every worker, every resume and every --seed. A
+    class keeps at least one training image: at most all but one of its files are held out (none of a single one).
     """
     plan = {split: sorted(entries, key=lambda e: e.key) for split, entries in listing.splits.items()}
     if "val" not in plan:
         by_class = collections.defaultdict(list)
         for entry in plan["train"]:
             by_class[entry.label].append(entry)
-        held = {e.path for entries in by_class.values() for e in entries[: round(val_split * len(entries))]}
+        held = set()
+        for entries in by_class.values():
+            share = min(round(val_split * len(entries)), len(entries) - 1)
+            held.update(e.path for e in entries[:share])
         if not held:
             raise DataError(
                 f"{listing.root / 'train'}: --val-split {val_split} of so few images per class holds out none; "
@@ -248,19 +288,30 @@ def _decode(task: tuple[str, int, list[str], int, tuple[int, int]]) -> list[tupl
     return found
 
 
+WORKER_SIGNALS = {signal.SIGTERM, signal.SIGINT}  # blocked in a decoding process until _quiet_worker has run
+
+
 def _quiet_worker() -> None:
     """A decoding process leaves stopping to the trainer: a forked child inherits the trainer's wakeup fd
     (preempt.StopSignals), through which the pool's own SIGTERM to its workers would reach the trainer as a stop."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends the pool
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_SIGNALS)  # a SIGTERM that came before ends it now
 
 
 @contextlib.contextmanager
 def _pool(processes: int):
     # fork: the workers need only Pillow and numpy, already loaded; spawn would import the trainer anew in each
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    pool = multiprocessing.get_context(method).Pool(processes, initializer=_quiet_worker)
+    # The workers start with SIGTERM and SIGINT blocked: the pool's SIGTERM (terminate, on an error) can reach a
+    # worker still inside fork, whose inherited handlers (Paddle's allocates memory before fork has freed
+    # malloc's locks in the child) would hang it, and the pool's join with it.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_SIGNALS)
+    try:
+        pool = multiprocessing.get_context(method).Pool(processes, initializer=_quiet_worker)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
         yield pool
         pool.close()
@@ -299,9 +350,10 @@ def _choose(headers: dict, train: list[Entry], request: Request, log: logging.Lo
 def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, processes: int = 0) -> None:
     """Decode every image into cache/<split>.npy (uint8, N x C x H x W) with labels and a manifest.
 
-    One pass opens each file once: it decodes to the size and channels that a random sample of train/ (the first
-    SAMPLE files in the cache's order) calls for, and reads every file's size and mode on the way; in the rare
-    case that the whole folder's defaults differ from the sample's, a second pass decodes again.
+    One pass opens each file once: it decodes to the size and channels that the first SAMPLE files of train/ in
+    the cache's order (by the hash of their paths, after the hold-out) call for, and reads every file's size and
+    mode on the way; in the rare case that the whole folder's defaults differ from those files', a second pass
+    decodes again.
 
     All of it is written into a temporary folder beside cache and renamed into place at the end, so a cache
     folder is always whole; on any error the temporary folder is removed and the old cache is left as it was.
@@ -310,7 +362,7 @@ def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, 
     root, started = listing.root, time.perf_counter()
     cache.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(cache)
-    tmp = cache.parent / f"{cache.name}.tmp{os.getpid()}"
+    tmp = _own(cache, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     processes = processes or os.cpu_count() or 1
     try:
@@ -326,6 +378,7 @@ def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, 
             headers = {path: h for path, h in found.items() if not isinstance(h, str)}
             kept = {s: [e for e in entries if e.path in headers] for s, entries in plan.items()}
             _check_not_empty(kept, len(bad))
+            _check_every_class_trains(listing, kept["train"], len(bad))
             chosen = _choose(headers, kept["train"], request, log)
             if chosen != guess:
                 log.info("decoding again: the sample of train/ called for another size or channel count")
@@ -406,11 +459,33 @@ def _check_not_empty(plan: dict, bad: int) -> None:
         raise DataError(f"no readable image is left in {empty[0]} ({bad} unreadable files skipped); replace them")
 
 
+def _check_every_class_trains(listing: Listing, train: list[Entry], bad: int) -> None:
+    """--skip-bad-images may have left a class without any training image."""
+    left = {e.label for e in train}
+    empty = [name for label, name in enumerate(listing.classes) if label not in left]
+    if empty:
+        more = f" (and {len(empty) - 1} more classes)" if len(empty) > 1 else ""
+        raise DataError(
+            f"{listing.root / 'train' / empty[0]}{more}: no readable training image is left ({bad} unreadable files "
+            "skipped); add readable images to the class folder, or remove the folder"
+        )
+
+
+def _own(cache: Path, kind: str) -> Path:
+    """This build's temporary ("tmp") or moved-aside ("old") folder beside cache, named for its pid and host."""
+    return cache.parent / f"{cache.name}.{kind}{os.getpid()}@{socket.gethostname()}"
+
+
 def _remove_leftovers(cache: Path) -> None:
-    """Temporary and old cache folders of builds whose process is gone (killed while building)."""
+    """Temporary and old cache folders of this machine's builds whose process is gone (killed while building).
+
+    Another machine's (several machines building on shared storage) are left alone: whether its process lives
+    cannot be told from here. A name without a host (from a build before names carried one) is taken for this
+    machine's."""
+    host = socket.gethostname()
     for path in cache.parent.glob(f"{cache.name}.*"):
-        pid = path.suffix.lstrip(".tmpold")
-        if pid.isdigit() and not _alive(int(pid)):
+        match = LEFTOVER.fullmatch(path.name[len(cache.name) + 1 :])
+        if match and match[2] in (None, host) and not _alive(int(match[1])):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -426,7 +501,7 @@ def _alive(pid: int) -> bool:
 
 def _publish(tmp: Path, cache: Path) -> None:
     """Put the finished tmp folder where the cache lives; an older cache is moved aside first, then removed."""
-    old = cache.parent / f"{cache.name}.old{os.getpid()}"
+    old = _own(cache, "old")
     if cache.exists():
         os.replace(cache, old)
     try:

@@ -9,7 +9,7 @@ import numpy as np
 import paddle
 
 from . import distributed, rng
-from .config import Config, ConfigError, effective_lr
+from .config import FOLDER, Config, ConfigError, effective_lr
 from .distributed import DistEnv
 from .ema import WeightAverage
 from .models import build_model
@@ -35,6 +35,28 @@ def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup
         learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay, grad_clip=clip
     )
     return opt, sched
+
+
+RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels")  # a resume must keep these flags
+
+
+def check_resumable(saved: dict, cfg: Config, path: Path) -> None:
+    """Refuse, in one line, to continue from a checkpoint whose saved config differs from this run's in a flag the
+    weights and data depend on (RESUME_KEYS, and a folder's --val-split, which chooses its training images) or in
+    the dataset's classes. Keys an older checkpoint lacks are not compared."""
+    keys = RESUME_KEYS + (("val_split",) if cfg.dataset == FOLDER else ())
+    for key in keys:
+        if key in saved and saved.get(key) != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(cfg, key)}; "
+                f"pass {flag} {saved.get(key)} or another --output-dir"
+            )
+    if "classes" in saved and list(saved["classes"]) != list(cfg.classes):
+        raise ConfigError(
+            f"--resume: {path} was trained on the classes {', '.join(saved['classes'])}, and the data now has "
+            f"{', '.join(cfg.classes)}; restore the data's class folders, or pass another --output-dir"
+        )
 
 
 def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
@@ -116,19 +138,7 @@ class TrainState:
 
     def restore(self, contents: dict, path: Path, env: DistEnv) -> str | None:
         """Continue from a checkpoint's contents; a warning line when its RNG states do not fit this job."""
-        saved = contents.get("config", {})
-        for key in ("model", "dataset", "batch_size", "image_size", "channels"):
-            if key in saved and saved.get(key) != getattr(self.cfg, key):
-                flag = "--" + key.replace("_", "-")
-                raise ConfigError(
-                    f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(self.cfg, key)}; "
-                    f"pass {flag} {saved.get(key)} or another --output-dir"
-                )
-        if "classes" in saved and list(saved["classes"]) != list(self.cfg.classes):
-            raise ConfigError(
-                f"--resume: {path} was trained on the classes {', '.join(saved['classes'])}, and the data now has "
-                f"{', '.join(self.cfg.classes)}; restore the data's class folders, or pass another --output-dir"
-            )
+        check_resumable(contents.get("config", {}), self.cfg, path)
         self.model.set_state_dict(contents["model"])
         self.untrained = {  # set in start(), after DataParallel has broadcast rank 0's
             "model": contents.get("untrained_by_rank") or [],

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -20,6 +25,7 @@ from PIL import Image
 from paddle_mnist import augment, data, folder, preprocess
 from paddle_mnist.config import ConfigError, parse_args
 from paddle_mnist.formats import DataError
+from paddle_mnist.state import check_resumable
 
 # Fashion-MNIST labels -> class folder names, with spaces and letters outside ASCII
 CLASSES = {0: "T-shirt top", 1: "Trouser", 5: "Sandalé", 9: "Ankle boot ü"}
@@ -141,6 +147,52 @@ def test_bad_layouts_are_refused_with_one_line(tmp_path, fashion, case):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def _vanishing(monkeypatch, files: list[Path], folders: list[Path]) -> None:
+    """os.scandir as it is when other programs remove things while the dataset is listed: each of files is
+    removed right after scandir has returned its entry (before it is stat'ed), each of folders right before it is
+    read (after its parent was listed)."""
+    real = os.scandir
+
+    @contextlib.contextmanager
+    def scandir(path):
+        if not isinstance(path, str):  # shutil.rmtree's own calls, with a file descriptor
+            with real(path) as it:
+                yield it
+            return
+        if Path(path) in folders:
+            shutil.rmtree(path)
+        with real(path) as it:
+
+            def entries():
+                for entry in it:
+                    yield entry
+                    if Path(entry.path) in files:
+                        os.unlink(entry.path)
+
+            yield entries()
+
+    monkeypatch.setattr(folder.os, "scandir", scandir)
+
+
+def test_a_file_or_class_folder_that_vanishes_while_listed_is_left_out(tmp_path, fashion, monkeypatch):
+    root = make_folder(tmp_path / "d", fashion, train=2, val=1)
+    victim = next((root / "train" / "Trouser").glob("*.png"))
+    _vanishing(monkeypatch, [victim], [root / "val" / "Sandalé"])
+    listing = folder.list_folder(root)
+    assert not victim.exists() and not (root / "val" / "Sandalé").exists()  # both really went mid-listing
+    assert [e.path for e in listing.splits["train"] if "/Trouser/" in e.path] == [
+        f"train/Trouser/{p.name}" for p in (root / "train" / "Trouser").iterdir()
+    ]
+    assert len(listing.splits["train"]) == 7 and len(listing.splits["val"]) == 3
+    assert not any("/Sandalé/" in e.path for e in listing.splits["val"])
+    # a class folder of train/ that vanishes takes its class with it
+    other = make_folder(tmp_path / "e", fashion, train=2)
+    _vanishing(monkeypatch, [], [other / "train" / "Ankle boot ü"])
+    listing = folder.list_folder(other)
+    assert listing.classes == ("Sandalé", "T-shirt top", "Trouser") and len(listing.splits["train"]) == 6
+    assert all(e.path.split("/")[1] == listing.classes[e.label] for e in listing.splits["train"])
+
+
 def test_hold_out_is_stratified_and_fixed_by_the_paths(tmp_path, fashion):
     listing = folder.list_folder(make_folder(tmp_path / "d", fashion, train=8))
     plan = folder.plan_splits(listing, 0.25)
@@ -151,6 +203,18 @@ def test_hold_out_is_stratified_and_fixed_by_the_paths(tmp_path, fashion):
     assert not {e.path for e in plan["val"]} & {e.path for e in plan["train"]}
     with pytest.raises(DataError, match="--val-split 0.05 of so few images per class holds out none"):
         folder.plan_splits(listing, 0.05)
+
+
+def test_hold_out_keeps_a_training_image_in_every_class(tmp_path, fashion):
+    """0.75 of 2 images rounds to 2: the whole class would go to validation; a class of one image keeps it."""
+    root = make_folder(tmp_path / "d", fashion, train=2)
+    next((root / "train" / "Trouser").iterdir()).unlink()
+    listing = folder.list_folder(root)
+    plan = folder.plan_splits(listing, 0.75)
+    single = listing.classes.index("Trouser")
+    for label in range(4):
+        counts = (sum(e.label == label for e in plan["train"]), sum(e.label == label for e in plan["val"]))
+        assert counts == ((1, 0) if label == single else (1, 1)), listing.classes[label]
 
 
 # ---- preprocessing ----
@@ -308,6 +372,60 @@ def test_a_killed_build_leaves_nothing_behind_for_long(tmp_path, fashion):
     assert folder.is_fresh(folder.default_cache_dir(root), folder.list_folder(root), request())
 
 
+def test_a_leftover_of_another_host_is_kept(tmp_path, fashion):
+    """On shared storage, another machine's build in progress has a pid this machine cannot check: only this
+    host's leftovers whose process is gone are removed."""
+    root = make_folder(tmp_path / "d", fashion, train=2, val=1)
+    cache = folder.default_cache_dir(root)
+    assert folder._own(cache, "tmp").name.endswith(f".tmp{os.getpid()}@{socket.gethostname()}")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)  # no process here has it; on another machine, one may
+    mine = root / f"{folder.CACHE_NAME}.tmp{pid}@{socket.gethostname()}"
+    theirs = [root / f"{folder.CACHE_NAME}.{kind}{pid}@other-node.cluster" for kind in ("tmp", "old")]
+    for path in [mine, *theirs]:
+        path.mkdir()
+        (path / "train.npy").write_bytes(b"half")
+    build(root)
+    assert not mine.exists() and all((path / "train.npy").exists() for path in theirs)
+
+
+def test_a_decoding_process_stopped_while_it_starts_runs_none_of_the_trainers_handlers(tmp_path, monkeypatch):
+    """On an error the pool SIGTERMs its workers, maybe one still starting: that one must not run the handlers it
+    inherited (Paddle's hangs a process still inside fork). Here the worker is slow to start, and the inherited
+    handler is the test's own, which would leave a mark."""
+    marks = tmp_path / "marks"
+    quiet = folder._quiet_worker
+
+    def slow_start() -> None:
+        time.sleep(0.5)  # the pool's SIGTERM arrives meanwhile
+        quiet()
+
+    def handler(signum, frame) -> None:
+        marks.write_text(f"worker {os.getpid()} ran the trainer's handler")
+        os._exit(0)
+
+    monkeypatch.setattr(folder, "_quiet_worker", slow_start)
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with folder._pool(1):
+            pass  # ends the pool at once: terminate
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not marks.exists(), marks.read_text()
+
+
+def test_skip_bad_images_refuses_a_class_left_without_training_images(tmp_path, fashion):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    for path in (root / "train" / "Trouser").iterdir():
+        _truncate(path)
+    with pytest.raises(DataError) as e:
+        build(root, request(skip_bad_images=True))
+    line = str(e.value)
+    assert line.startswith(f"{root / 'train' / 'Trouser'}: no readable training image is left (4 unreadable")
+    assert "add readable images" in line and "remove the folder" in line and "\n" not in line
+    assert not list(root.glob(f"{folder.CACHE_NAME}*"))  # nothing written
+
+
 def test_skip_bad_images_trains_without_them_and_lists_them(tmp_path, fashion):
     root = make_folder(tmp_path / "d", fashion, train=4, val=1)
     victim = root / "train" / "Trouser" / "bad.jpg"
@@ -335,6 +453,27 @@ def test_folder_flags(tmp_path):
             parse_args(argv)
     assert parse_args([*base, "--tta", "--flip"]).tta
     assert not augment.policy_for("folder").flip and augment.policy_for("folder", flip=True).flip
+
+
+def test_resume_refuses_another_val_split_on_a_folder(tmp_path):
+    """The hold-out chooses a folder's training images; elsewhere --val-split plays no part and is not compared."""
+    path = tmp_path / "checkpoints" / "step_4.pdckpt"
+    folder_cfg = parse_args(["--dataset", "folder", "--data-dir", str(tmp_path), "--val-split", "0.2"])
+    for dataset in ("folder", "fashion-mnist"):  # (--val-split is refused for the other datasets)
+        cfg = dataclasses.replace(folder_cfg, dataset=dataset)
+        check_resumable(dataclasses.asdict(cfg), cfg, path)
+        saved = dataclasses.asdict(dataclasses.replace(cfg, val_split=0.25))
+        if dataset != "folder":
+            check_resumable(saved, cfg, path)
+            continue
+        with pytest.raises(ConfigError) as e:
+            check_resumable(saved, cfg, path)
+        assert str(e.value) == (
+            f"--resume: {path} was trained with --val-split 0.25, not 0.2; "
+            "pass --val-split 0.25 or another --output-dir"
+        )
+    cfg = parse_args(["--dataset", "folder", "--data-dir", str(tmp_path)])
+    check_resumable({k: v for k, v in dataclasses.asdict(cfg).items() if k != "val_split"}, cfg, path)  # older
 
 
 # ---- real runs ----
