@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_command(argv: list[str] | None) -> int:
     cpu.prefer_fast_kernels()  # first: MKL reads its settings at the first matmul or convolution
+    cpu.steady_malloc()  # before the data and the network are allocated
     # A worker killed by SIGBUS, SIGSEGV, SIGFPE or SIGABRT writes "Fatal Python error: <signal>" and every
     # thread's Python stack to its log, then Paddle's handler (installed by its import, which this one hands on to)
     # prints the C++ side. Paddle's handler is not async-signal-safe (it allocates and unwinds the stack), and a

@@ -1,7 +1,9 @@
-"""Choices about the CPU made before Paddle loads: MKL's AVX2 kernels on AMD processors."""
+"""Choices about the CPU made before Paddle loads: MKL's AVX2 kernels on AMD processors, and a fixed malloc
+threshold."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import MutableMapping
 
@@ -49,3 +51,29 @@ def prefer_fast_kernels(environ: MutableMapping[str, str] = os.environ) -> dict[
     settings = mkl_settings(cpuinfo, environ)
     environ.update(settings)
     return settings
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
+MMAP_THRESHOLD = 32 << 20  # the ceiling of the threshold glibc adjusts by itself on 64-bit machines
+USER_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def steady_malloc(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """Fix glibc's mmap threshold at 32 MiB for this process (and the trim threshold at twice that); True if set.
+
+    glibc serves an allocation at or above its mmap threshold (128 KiB at the start) with a fresh memory mapping
+    and unmaps it when it is freed, and it raises the threshold to the size of each such block freed, up to 32 MiB.
+    So whether the activation-sized buffers of a training step come from the heap or from fresh mappings, which
+    fault in page by page on every step, depends on what the process happened to free before training: the same
+    run from a folder's cache took 45 to 47 ms a step, its pooling and batch norm backward passes 1.5 to 3 times
+    slower, and 39 to 40 ms with the threshold fixed (docs/performance.md). Nothing is set where the user set
+    either threshold (environment variables or GLIBC_TUNABLES), or where the C library is not glibc.
+    """
+    if any(name in environ for name in USER_MALLOC_SETTINGS) or "threshold" in environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the C library this process runs on
+    except (OSError, AttributeError):  # not glibc (macOS, musl without mallopt): nothing to set
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))

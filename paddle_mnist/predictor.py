@@ -123,6 +123,7 @@ class Predictor:
         meta = export.read_export(prefix)
         warnings.filterwarnings("ignore", message="No ccache found")  # import paddle's note about building C++
         cpu.prefer_fast_kernels()  # the trainer's MKL setting; MKL reads it at its first call, which comes later
+        cpu.steady_malloc()  # the trainer's malloc setting too
         if backend != "auto":
             return cls(prefix, meta, backend, RUNNERS[backend](prefix, meta, threads, device))
         try:

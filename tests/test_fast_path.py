@@ -113,3 +113,43 @@ def test_the_process_and_its_children_get_the_setting(users):
     assert proc.returncode == 0, proc.stderr
     want = users or ("5" if this_machine_wants_avx2() else "None")
     assert proc.stdout.split() == [want, want], proc.stdout  # MKL's view, then a child process's
+
+
+MAPPED_BLOCKS = """
+import ctypes, sys
+from paddle_mnist import cpu
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+set_here = cpu.steady_malloc() if sys.argv[1] == "steady" else False
+before = libc.mallinfo2().hblks
+block = libc.malloc(8 << 20)
+print(set_here, libc.mallinfo2().hblks - before)
+"""
+
+
+def mapped_blocks(mode: str, **env: str) -> tuple[str, str]:
+    """In a fresh process: whether steady_malloc set anything, and how many fresh mappings an 8 MiB malloc took."""
+    proc = subprocess.run(
+        [sys.executable, "-c", MAPPED_BLOCKS, mode], env=launch_env() | env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    return tuple(proc.stdout.split())
+
+
+def test_steady_malloc_serves_step_sized_buffers_from_the_heap():
+    """glibc's own count of mapped blocks: an 8 MiB allocation is a fresh mapping at glibc's starting threshold
+    (128 KiB) and comes from the heap once steady_malloc fixed it at 32 MiB; a threshold the user set is kept."""
+    try:
+        ldd = subprocess.run(["ldd", "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        ldd = ""
+    if "GLIBC" not in ldd.upper() and "GNU" not in ldd.upper():
+        pytest.skip("steady_malloc sets glibc's thresholds; this machine's C library is not glibc")
+    assert mapped_blocks("default") == ("False", "1")
+    assert mapped_blocks("steady") == ("True", "0")
+    assert mapped_blocks("steady", MALLOC_MMAP_THRESHOLD_="131072") == ("False", "1")
