@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--amp",
         default=d.amp,
         choices=AMP,
-        help="mixed precision: fp16 (GPU, with loss scaling) or bf16; off: float32",
+        help="mixed precision on GPUs: fp16 (compute capability 7.0+, with loss scaling) or bf16 (8.0+); off: float32",
     )
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument("--weight-decay", type=float, help="L2 weight decay (None: the model's recipe)")
