@@ -175,11 +175,10 @@ def list_folder(root: str | Path) -> Listing:
         if split == "train" and len(listed[split]) < len(classes):
             classes = tuple(name for name in classes if name in listed[split])
             _check_classes(train_dir, classes)
+    label = {name: i for i, name in enumerate(classes)}  # looked up once per file, not searched for
     splits = {
         split: [
-            Entry(path, size, mtime, classes.index(name))
-            for name, files in by_class.items()
-            for path, size, mtime in files
+            Entry(path, size, mtime, label[name]) for name, files in by_class.items() for path, size, mtime in files
         ]
         for split, by_class in listed.items()
     }
