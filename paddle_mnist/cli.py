@@ -12,7 +12,7 @@ from pathlib import Path
 
 import paddle
 
-from . import augment, checkpoint, cpu, data, distributed, engine, folder, summary
+from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, summary
 from .checkpoint import CheckpointStore
 from .config import FOLDER, Config, ConfigError, effective_lr, parse_args, resolve_for_world
 from .distributed import DistEnv, LaunchError
@@ -196,7 +196,11 @@ def run(
 
     val = None
     to_device = Feed(env.device)
-    with Session(cfg, env, log, state, files, stop=stop, batches_per_epoch=len(feed), resumed=resumed) as session:
+    levels = chance.LossLevels.of(train.labels, len(ds.classes), cfg.label_smoothing)
+    session = Session(
+        cfg, env, log, state, files, stop=stop, batches_per_epoch=len(feed), resumed=resumed, levels=levels
+    )
+    with session:
         while session.training():
             batches = feed.epoch(state.epoch, state.batch_in_epoch, session.batch_count(), stage=to_device.host)
             epoch = engine.Epoch(state, batches, cfg, env, log, to_device)
@@ -210,10 +214,12 @@ def run(
 
 
 def _finish(cfg, env, log, state: TrainState, files: RunFiles, session: Session, ds, test, val) -> dict:
-    """The last weights, the test score (the last evaluation when it was on the test split), results, export."""
+    """The last weights, the test score (the last evaluation when it was on the test split), results, export; then
+    chance.LearnedNothing, on every rank alike, when the run stalled or its test accuracy is no better than chance."""
     net = distributed.unwrap(state.scored)
     files.save_weights(net)
     final = val if val is not None and ds.val_is_test else engine.evaluate(net, test, ds, cfg, env)
+    verdict = session.verdict(final.acc, chance.AccuracyLevel.of(test.labels, len(ds.classes)))
     peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log
     best = state.best
     result = {
@@ -227,6 +233,7 @@ def _finish(cfg, env, log, state: TrainState, files: RunFiles, session: Session,
         "peak_rss_mb": peak_mb,
         "best": {k: v for k, v in best.items() if k != "digest"} if best else None,
         "exported": cfg.export if best else "last",
+        **verdict.fields(),
     }
     files.write_json(RESULTS, result)
     session.meet(state.step)  # training is over: a signal from here on lets the run finish; a failed write stops it
@@ -241,6 +248,8 @@ def _finish(cfg, env, log, state: TrainState, files: RunFiles, session: Session,
     if distributed.all_reduce_max_values([failed is not None], env)[0]:
         raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
     distributed.barrier(env)
+    if verdict.message:
+        raise chance.LearnedNothing(verdict.message)
     return result
 
 
@@ -321,7 +330,7 @@ def _run_command(argv: list[str] | None) -> int:
         log.error(f"error: {e}")
         _point_to_summary(log)
         return 1
-    except (ConfigError, data.DataError, engine.Diverged, checkpoint.CheckpointError) as e:
+    except (ConfigError, data.DataError, engine.Diverged, chance.LearnedNothing, checkpoint.CheckpointError) as e:
         log.error(f"error: {e}")
         _point_to_summary(log)
         return 2

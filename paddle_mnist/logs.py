@@ -52,6 +52,15 @@ DIVERGED = Failure(
     "lower --lr (or warm up with --warmup-epochs), then rerun with --resume auto: it continues from the last "
     "checkpoint, which was saved before the loss diverged",
 )
+LEARNED_NOTHING = Failure(
+    "learned nothing",
+    "the model learned nothing: its training loss stayed at chance level, or its test accuracy was no better than "
+    "chance; the weights, results and checkpoints were written before the run stopped",
+    _any(r": the model learned nothing; "),
+    "start afresh (--overwrite) with a lower --lr or a warmup (--warmup-epochs 1); if the training loss fell while "
+    "the test accuracy stayed at chance, the labels do not match the images: check that each class folder holds "
+    "only images of its class",
+)
 WATCHDOG = Failure(
     "peer went quiet",
     "a worker stopped making progress, so the watchdog ended the job instead of letting it hang",
@@ -136,7 +145,7 @@ SIGNALLED = Failure(
 )
 # a bus error before the watchdog: a worker whose signal handler hung after the bus error (see cli.py) can be
 # ended later by its own watchdog, and the bus error is the cause
-KNOWN = (DIVERGED, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
+KNOWN = (DIVERGED, LEARNED_NOTHING, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
 KILLED = Failure(
     "killed",
     "killed from outside without a word: most likely the kernel's out-of-memory killer (SIGKILL)",

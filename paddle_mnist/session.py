@@ -1,5 +1,5 @@
 """What a run does around its training steps: where all ranks meet (stop signals, failed writes), checkpoints,
-the epoch's row and log lines, the best model, the watchdog and the profiler window."""
+the epoch's row and log lines, the best model, the watchdog, the profiler window, and whether it learned anything."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import checkpoint, distributed, engine, preempt, timing
+from . import chance, checkpoint, distributed, engine, preempt, timing
 from .config import Config, profile_window
 from .distributed import DistEnv
 from .log import memory_mb
@@ -111,7 +111,8 @@ class Session:
 
     Ranks meet (one all-reduce of three numbers) at every epoch end and every few mid-epoch steps (Cadence: about
     every quarter second): a stop signal that reached only some ranks, or a failed write on rank 0, then stops all
-    of them at the same step, after a checkpoint.
+    of them at the same step, after a checkpoint. An epoch whose training loss is still at chance well after the
+    warmup (chance.stall_judged) ends training too, after its checkpoint: `stalled` then holds the error's text.
     """
 
     def __init__(
@@ -125,9 +126,14 @@ class Session:
         stop: StopSignals,
         batches_per_epoch: int,
         resumed: Path | None,
+        levels: chance.LossLevels,
     ):
         self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
-        self.stop, self.batches_per_epoch, self.resumed = stop, batches_per_epoch, resumed
+        self.stop, self.batches_per_epoch, self.resumed, self.levels = stop, batches_per_epoch, resumed, levels
+        # the schedule's own count (paddle's LinearWarmup keeps it), so this follows however the warmup is planned
+        self.warmup_steps = getattr(state.sched, "warmup_steps", 0)
+        self.stalled: str | None = None
+        self.last_loss: float | None = None  # the last epoch's mean training loss, this session's
         planned = cfg.epochs * self.batches_per_epoch
         self.last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
         self.cadence = preempt.Cadence()
@@ -211,11 +217,13 @@ class Session:
             self.files.save_checkpoint({**state.contents(self.elapsed(), rng_by_rank), **extra})
 
     def end_epoch(self, stats: engine.EpochStats, val) -> bool:
-        """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached."""
+        """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached, or the
+        training loss stalled at chance (`stalled`)."""
         state, cfg = self.state, self.cfg
         self.dog.progress(state.step)
         row = epoch_row(cfg, self.env, state, stats, val)
         log_epoch(self.log, cfg, row, stats)
+        self.last_loss = stats.loss
         engine.check_weights(state)  # the loss was checked, on every rank, at the end of the epoch
         self.files.append_metrics(row)
         improved = state.best is None or val.acc > state.best["val_acc"]
@@ -237,4 +245,26 @@ class Session:
         if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True
+        # the loss is summed over all workers and the steps are the same everywhere: every rank stops here alike
+        if chance.stall_judged(state.step - stats.steps, self.warmup_steps) and self.levels.stalled(stats.loss):
+            self.stalled = chance.stall_message(self.levels, stats.loss, state.step, row["epoch"], cfg.output_dir)
+            return True
         return False
+
+    def verdict(self, acc: float, level: chance.AccuracyLevel) -> chance.Verdict:
+        """Whether the run learned anything, from its final test accuracy (or its stall); a warning when the
+        accuracy is at chance after too few steps to judge."""
+        step = self.state.step
+        judged = chance.judge(acc, level, step, self.warmup_steps, self.stalled is not None)
+        if judged is None and level.at_chance(acc) and level.bound < 1:
+            self.log.warning(
+                f"warning: the test accuracy {acc:.4f} is no better than chance ({level.share:.4f}, {level.bound:.4f} "
+                f"with {chance.Z:g} standard errors) after {step} steps, too few to judge the run by "
+                f"({chance.JUDGE_STEPS} after the warmup): train longer"
+            )
+        message = self.stalled
+        if judged and not message:
+            loss, level_loss = self.last_loss, self.levels.chance
+            trained = "" if loss is None else f" (training loss {loss:.3f}, chance {level_loss:.3f})"
+            message = chance.final_message(level, acc, step, trained, self.cfg.output_dir)
+        return chance.Verdict(judged, message, level)
