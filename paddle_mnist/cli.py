@@ -14,7 +14,16 @@ import paddle
 
 from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, summary
 from .checkpoint import CheckpointStore
-from .config import FOLDER, Config, ConfigError, effective_lr, parse_args, resolve_for_world
+from .config import (
+    FOLDER,
+    RECIPES,
+    Config,
+    ConfigError,
+    effective_lr,
+    parse_args,
+    resolve_for_world,
+    stretch_for_steps,
+)
 from .distributed import DistEnv, LaunchError
 from .lock import RunLock
 from .log import get_logger, memory_mb
@@ -39,7 +48,9 @@ def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Log
         raise ConfigError("rank 0 refused --output-dir; its message is in workerlog.0")
 
 
-def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, splits: tuple, threads: int):
+def _log_start(
+    log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, splits: tuple, threads: int, steps_per_epoch: int
+):
     train, val, test = splits
     log.info(
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
@@ -55,7 +66,7 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
     log.info(
         f"batch: {per_worker} per worker{micro}, {cfg.batch_size} global; "
         f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
-        f"epochs {cfg.epochs}"
+        f"epochs {cfg.epochs}{_stretched_text(cfg, len(train), steps_per_epoch)}"
         + (f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "")
         + (f", amp {cfg.amp}" if cfg.amp != "off" else "")
     )
@@ -75,6 +86,16 @@ def _log_start(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset,
     log.info(
         f"paddle {paddle.__version__}, CPU threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
         + (f", {cpu.MKL_CODE_PATH}={mkl}{avx2}" if mkl else "")
+    )
+
+
+def _stretched_text(cfg: Config, train_images: int, steps_per_epoch: int) -> str:
+    recipe = RECIPES[cfg.model].epochs
+    if "epochs" not in cfg.from_recipe or cfg.epochs == recipe:
+        return ""
+    return (
+        f" (the recipe's {recipe} stretched to at least --min-steps {cfg.min_steps} optimizer steps: "
+        f"{train_images} training images make {steps_per_epoch} steps an epoch)"
     )
 
 
@@ -177,10 +198,11 @@ def run(
     threads = _check_start(cfg, env)
     cfg, ds = _load_data(cfg, env, log)
     train, val_split, test = _splits(cfg, ds)
-    _log_start(log, cfg, env, ds, (train, val_split, test), threads)
+    feed = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
+    cfg = stretch_for_steps(cfg, len(feed))
+    _log_start(log, cfg, env, ds, (train, val_split, test), threads, len(feed))
     _agree_output_dir(cfg, env, lock, log)
 
-    feed = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(feed))
     _log_model(log, cfg, env, ds, state.model)
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ LR_SCALING = ("none", "linear")
 AMP = ("off", "fp16", "bf16")
 EXPORTS = ("last", "best")  # which weights --export writes for inference
 PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
+MIN_STEPS = 500  # a recipe's run trains at least this many optimizer steps (docs/training.md#small-training-sets)
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ def recipe_table() -> str:
     for name, r in RECIPES.items():
         batch = r.batch_size or f"{PER_WORKER_BATCH} x workers"
         lines.append(f"  {name:<16} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}")
+    lines.append(
+        f"A small training split trains more epochs than the table says: the recipe's schedule, warmup included, is "
+        f"stretched to at least --min-steps ({MIN_STEPS}) optimizer steps unless --epochs is given."
+    )
     return "\n".join(lines)
 
 
@@ -107,7 +113,9 @@ class Config:
     val_split: float = 0.1  # share of each class of train/ held out for validation when there is no val/
     flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
     skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
+    min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
     classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in once the data is loaded
+    from_recipe: tuple[str, ...] = RECIPE_FLAGS  # not a flag: the RECIPE_FLAGS the command line left to the recipe
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -169,7 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p.add_argument("--model", default=d.model, choices=tuple(MODELS), help="network to train")
     p.add_argument(
-        "--epochs", type=_non_negative("--epochs"), help="passes over the training split (None: the model's recipe)"
+        "--epochs",
+        type=_non_negative("--epochs"),
+        help="passes over the training split (None: the model's recipe, more on a small training split: --min-steps)",
+    )
+    _add_count(
+        p,
+        "--min-steps",
+        "without --epochs: when the recipe's epochs would train fewer optimizer steps than this (a small training "
+        "split), train as many epochs as it takes, the warmup stretched alike (0: the recipe's epochs as they are)",
     )
     _add_count(
         p,
@@ -401,9 +417,9 @@ def profile_window(text: str) -> tuple[int, int] | None:
 def parse_args(argv: list[str] | None = None) -> Config:
     """Parse the command line into a Config; argparse exits with status 2 on malformed flags."""
     ns = build_parser().parse_args(argv)
-    for name in RECIPE_FLAGS:
-        if getattr(ns, name) is None:
-            setattr(ns, name, getattr(RECIPES[ns.model], name))
+    ns.from_recipe = tuple(name for name in RECIPE_FLAGS if getattr(ns, name) is None)
+    for name in ns.from_recipe:
+        setattr(ns, name, getattr(RECIPES[ns.model], name))
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
@@ -462,6 +478,19 @@ def resolve_for_world(cfg: Config, world_size: int) -> Config:
     return dataclasses.replace(cfg, batch_size=batch)
 
 
+def stretch_for_steps(cfg: Config, steps_per_epoch: int) -> Config:
+    """The recipe on a small training split: when its epochs give fewer than --min-steps optimizer steps, as many
+    epochs as it takes to reach them, and a recipe's warmup stretched alike (the same share of the run), so the
+    schedule keeps its shape. Epochs or a warmup given on the command line are kept as given. A run stretched
+    once is left as it is, so a resumed run plans the same schedule."""
+    planned = cfg.epochs * steps_per_epoch
+    if "epochs" not in cfg.from_recipe or planned >= cfg.min_steps or steps_per_epoch == 0:
+        return cfg
+    epochs = math.ceil(cfg.min_steps / steps_per_epoch)
+    warmup = cfg.warmup_epochs * epochs / cfg.epochs if "warmup_epochs" in cfg.from_recipe else cfg.warmup_epochs
+    return dataclasses.replace(cfg, epochs=epochs, warmup_epochs=warmup)
+
+
 def effective_lr(cfg: Config) -> float:
     """The base learning rate after --lr-scaling: the peak the warmup climbs to and the decay starts from."""
     return cfg.lr * cfg.batch_size / cfg.reference_batch if cfg.lr_scaling == "linear" else cfg.lr
@@ -470,6 +499,7 @@ def effective_lr(cfg: Config) -> float:
 def load_config(path: Path) -> Config:
     fields = {f.name for f in dataclasses.fields(Config)}
     raw = json.loads(Path(path).read_text())
-    if "classes" in raw:
-        raw["classes"] = tuple(raw["classes"])
+    for key in ("classes", "from_recipe"):
+        if key in raw:
+            raw[key] = tuple(raw[key])
     return Config(**{k: v for k, v in raw.items() if k in fields})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import paddle
 import paddle.nn.functional as F
@@ -86,6 +87,7 @@ class MnistCNN(nn.Layer):
         self.features = nn.Sequential(*block(in_channels), *block(20))
         height, width = _sides(image_size)
         features = 20 * (height // 4) * (width // 4)
+        self.head_scale = head_scale(features, 20 * 7 * 7)  # a 28x28 image's map: 20 channels of 7x7
         self.hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU()) if hidden else None
         self.fc = nn.Linear(hidden or features, num_classes)
 
@@ -95,8 +97,27 @@ class MnistCNN(nn.Layer):
             x = conv_relu_pool(conv_relu_pool(x, f[0], f[2]), f[3], f[5])
         else:
             x = self.features(x)
-        x = paddle.flatten(x, 1)
+        x = scaled(paddle.flatten(x, 1), self.head_scale)
         return self.fc(self.hidden(x) if self.hidden is not None else x)
+
+
+def head_scale(features: int, reference: int) -> float:
+    """The factor the flattened feature map is multiplied by before the first dense layer: sqrt(reference /
+    features) when the map holds more than `reference` values, the map of a 28x28 image (the size the recipes
+    were measured on), else 1.
+
+    Under SGD, one step changes a dense layer's outputs by about lr x (its inputs' squared norm) x the output
+    gradient, and that squared norm grows with the number of inputs, the image's area: at the same --lr the first
+    steps of a 64x64 run moved the loss 3x, and of a 128x128 run 6x, as much as a 28x28 run's, overshot, and could
+    leave the network at chance (docs/training.md#any-image-size). Scaled by this factor, the inputs' squared norm
+    is at most a 28x28 image's, at every size: one recipe serves them all. Smaller images already take smaller
+    steps and are left as they are, as is 28x28 (a factor of 1 is no operation at all).
+    """
+    return math.sqrt(reference / features) if features > reference else 1.0
+
+
+def scaled(x: paddle.Tensor, factor: float) -> paddle.Tensor:
+    return x if factor == 1.0 else x * factor
 
 
 def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -198,12 +219,13 @@ class CifarCNN(nn.Layer):
 
         self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
         height, width = (((side - 2) // 2 - 2) // 2 for side in _sides(image_size))
+        self.head_scale = head_scale(64 * height * width, 64 * 5 * 5)  # a 28x28 image's map: 64 channels of 5x5
         self.classifier = nn.Sequential(
             nn.Linear(64 * height * width, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.classifier(paddle.flatten(self.features(x), 1))
+        return self.classifier(scaled(paddle.flatten(self.features(x), 1), self.head_scale))
 
 
 MODELS = {
