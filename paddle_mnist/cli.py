@@ -179,12 +179,17 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger) -> tuple[Config, 
     return dataclasses.replace(cfg, **resolved), ds
 
 
-def _splits(cfg: Config, ds: data.Dataset) -> tuple[data.Split, data.Split, data.Split]:
+def _splits(cfg: Config, ds: data.Dataset, parts: int) -> tuple[data.Split, data.Split, data.Split]:
+    """The splits the run uses; parts: the micro-batches a global batch splits into (workers x --accum-steps)."""
     train, val, test = ds.train.head(cfg.train_limit), ds.val.head(cfg.eval_limit), ds.test.head(cfg.eval_limit)
     if len(train) < cfg.batch_size:
+        fits = len(train) - len(train) % parts
+        multiple = f" (a multiple of {parts})" if parts > 1 else ""
+        fix = f"pass --batch-size {fits} or less{multiple}" if fits else "add training images"
+        if 0 < cfg.train_limit < len(ds.train):
+            fix += " or raise --train-limit"
         raise ConfigError(
-            f"the training split has {len(train)} images, fewer than one global batch of {cfg.batch_size}; "
-            "lower --batch-size or raise --train-limit"
+            f"the training split has {len(train)} images, fewer than one global batch of {cfg.batch_size}: {fix}"
         )
     return train, val, test
 
@@ -197,7 +202,7 @@ def run(
     lock = lock or RunLock(cfg.output_dir)
     threads = _check_start(cfg, env)
     cfg, ds = _load_data(cfg, env, log)
-    train, val_split, test = _splits(cfg, ds)
+    train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     feed = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
     cfg = stretch_for_steps(cfg, len(feed))
     _log_start(log, cfg, env, ds, (train, val_split, test), threads, len(feed))

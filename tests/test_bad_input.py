@@ -25,7 +25,8 @@ def test_training_split_smaller_than_one_batch(dataset, tmp_path):
     proc = run_single([*small(dataset, tmp_path / "o"), "--train-limit", "10"], cwd=tmp_path)
     assert proc.returncode == 2
     (line,) = error_lines(proc)
-    assert "10 images, fewer than one global batch of 64" in line and "--train-limit" in line
+    assert "10 images, fewer than one global batch of 64: pass --batch-size 10 or less" in line
+    assert "--train-limit" in line
     assert not (tmp_path / "o").exists()
 
 
