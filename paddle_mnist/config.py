@@ -54,10 +54,8 @@ def recipe_table() -> str:
     for name, r in RECIPES.items():
         batch = r.batch_size or f"{PER_WORKER_BATCH} x workers"
         lines.append(f"  {name:<16} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}")
-    lines.append(
-        f"A small training split trains more epochs than the table says: the recipe's schedule, warmup included, is "
-        f"stretched to at least --min-steps ({MIN_STEPS}) optimizer steps unless --epochs is given."
-    )
+    lines.append("A small training split trains more epochs than the table says: unless --epochs is given, the")
+    lines.append(f"schedule, warmup included, is stretched to at least --min-steps ({MIN_STEPS}) optimizer steps.")
     return "\n".join(lines)
 
 
