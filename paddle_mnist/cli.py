@@ -52,10 +52,6 @@ def _log_start(
     log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, splits: tuple, threads: int, steps_per_epoch: int
 ):
     train, val, test = splits
-    log.info(
-        f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
-        f"backend {env.backend}, device {env.device}"
-    )
     per_worker = cfg.batch_size // env.world_size
     micro = f" ({cfg.accum_steps} micro-batches of {per_worker // cfg.accum_steps})" if cfg.accum_steps > 1 else ""
     lr = effective_lr(cfg)
@@ -201,6 +197,10 @@ def run(
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
     lock = lock or RunLock(cfg.output_dir)
     threads = _check_start(cfg, env)
+    log.info(  # before the data: a folder's first cache build can take minutes
+        f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
+        f"backend {env.backend}, device {env.device}"
+    )
     cfg, ds = _load_data(cfg, env, log)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     feed = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)

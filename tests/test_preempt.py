@@ -132,7 +132,7 @@ def test_sigterm_during_start_up_stops_before_training_with_nothing_to_save(tmp_
             [sys.executable, str(TRAIN_PY), *ARGS, "--data-dir", str(data_dir), "--output-dir", str(out)],
             cwd=tmp_path, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-    signal_when(job, log_path, "rank 0 of world size 1")  # logged once the data is loaded, before the model exists
+    signal_when(job, log_path, "rank 0 of world size 1")  # logged before the data loads
     assert job.wait(timeout=60) == 128 + signal.SIGTERM
     text = log_path.read_text()
     assert "stopped by SIGTERM at step 0 (before training); nothing trained yet, so no checkpoint" in text, text
