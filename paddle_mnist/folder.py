@@ -336,7 +336,7 @@ def _choose(headers: dict, train: list[Entry], request: Request, log: logging.Lo
         counts = collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
         size, n = counts.most_common(1)[0]
         if log:
-            log.info(f"image size {size[0]}x{size[1]}: the most common size in train/ ({n} of {counts.total()})")
+            log.info(f"image size {size[0]}x{size[1]}: the most common size in train/ ({n} of {sum(counts.values())})")
     channels = request.channels
     if not channels:
         grey = all(h[2] for h in headers.values())
