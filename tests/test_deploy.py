@@ -164,6 +164,48 @@ def test_files_pil_images_and_arrays_are_the_same_image_to_the_predictor(trained
 
 
 @pytest.mark.slow
+def test_a_grey_model_takes_every_unambiguous_array_and_refuses_the_rest_in_one_line(trained):
+    """The table in docs/deploy.md, "Arrays", for a grey model, with the three reported defects: an (N, H, W)
+    uint8 batch (the idx files' layout), a (3, H, W) array (3 grey images or one colour image), and floats 0-255."""
+    root, test = trained
+    predictor = Predictor.load(root / "output")
+    grey = test.images[:5, 0]  # (5, 28, 28) uint8
+    each = predictor.probabilities(list(grey))
+    assert each.shape == (5, 10) and len({tuple(row.round(4)) for row in each}) == 5, "5 different images"
+    for batch in (grey, grey[:, None], grey[:, :, :, None], grey.astype(np.float64) / 255):
+        assert np.abs(predictor.probabilities(batch) - each).max() < 1e-6, batch.shape
+    for one in (grey[0], grey[:1], grey[0][:, :, None], grey[0].astype(np.float32) / 255):
+        assert np.abs(predictor.probabilities(one) - each[:1]).max() < 1e-6, one.shape
+
+    # any size, resized as an image file is: (N, H, W) of 40x36 images
+    big = [np.asarray(Image.fromarray(g).resize((36, 40), Image.BILINEAR)) for g in grey]
+    assert np.abs(predictor.probabilities(np.stack(big)) - predictor.probabilities(big)).max() < 1e-6
+
+    # one colour image, made unambiguous by a batch axis, is read as the PIL image is
+    colour = np.stack([grey[0], grey[1], grey[2]], axis=-1)
+    as_pil = predictor.probabilities(Image.fromarray(colour))
+    for form in (colour[None], colour.transpose(2, 0, 1)[None], [colour], [colour.transpose(2, 0, 1)]):
+        assert np.abs(predictor.probabilities(form) - as_pil).max() < 1e-6
+
+    refused = {
+        "(3, 28, 28)": (grey[:3], r"3 grey images of 28x28 or one colour image.*\(1, 3, 28, 28\)"),
+        "(28, 28, 3)": (colour, r"one colour image \(H, W, 3\) or 3 grey images.*\(1, 28, 28, 3\)"),
+        "(28, 28, 4)": (np.dstack([colour, grey[3]]), r"one colour image \(H, W, 4\) or 4 grey images"),
+        "floats 0-255": (grey.astype(np.float32), r"span 0 to 255: divide 0-255 values by 255"),
+        "floats 0-16": (grey.astype(np.float32) / 16, r"span 0 to 15.9375: .*another range by its maximum"),
+        "NaN": (np.full((28, 28), np.nan, np.float32), "NaN"),
+        "(5, 28, 7) in a list": ([np.zeros((5, 28, 7), np.uint8)], r"not of shape \(5, 28, 7\)"),
+    }
+    for case, (form, message) in refused.items():
+        with pytest.raises(ValueError, match=message) as e:
+            predictor.probabilities(form)
+        assert "\n" not in str(e.value), case
+    for dtype in (np.int64, np.uint16, bool):
+        with pytest.raises(TypeError, match=r"uint8 pixels \(0-255\) or floats in \[0, 1\], not (int64|uint16|bool)"):
+            predictor.probabilities(grey.astype(dtype))
+
+
+@pytest.mark.slow
 def test_a_transparent_background_is_laid_on_the_black_the_model_was_trained_on(trained, tmp_path):
     """An MNIST-type image whose black ground is made transparent is classified as the opaque image is. White
     lies under the transparent pixels, so a reader that dropped the alpha channel would see a white ground."""
