@@ -1,4 +1,5 @@
-"""Checkpoints and weights: written atomically with a SHA-256 beside them, read back without running code."""
+"""Checkpoints and weights: written atomically with a SHA-256 beside them, read back without running code, and
+loaded only into a network they fit."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ import numpy as np
 import paddle
 
 from . import safeload
+from .config import CONFIG_FILE, image_shape, load_config
+from .models import build_model
 
 CKPT_DIR = "checkpoints"
 CKPT_NAME = re.compile(r"^step_(\d+)\.pdckpt$")
 DIGEST_SUFFIX = ".sha256"  # sha256sum's format, so `sha256sum -c step_00000064.pdckpt.sha256` checks one by hand
 ASIDE_SUFFIX = ".damaged"
 NAME_TABLE = "StructuredToParameterName@@"  # paddle.save's key for the tensor names of a bare state dict
+WEIGHTS = "model.pdparams"  # a run's last weights, in its output directory
+BEST_WEIGHTS = "model_best.pdparams"  # the weights of the epoch with the highest validation accuracy
+WHICH = {"last": WEIGHTS, "best": BEST_WEIGHTS}
+LOAD_MODEL_FIX = "build the network as the run did: paddle_mnist.load_model(OUTPUT_DIR) reads its config.json"
 
 
 class CheckpointError(ValueError):
@@ -166,6 +173,55 @@ def load(path: Path) -> dict:
                 state[key] = _to_tensors((name, state[key]))
         return state
     return _to_tensors(state)
+
+
+def mismatches(net: paddle.nn.Layer, state: dict) -> list[str]:
+    """Where state does not fit net, in the network's order, then the file's keys the network lacks."""
+    expected, found = net.state_dict(), []
+    for key, tensor in expected.items():
+        if key not in state:
+            found.append(f"{key} (shape {list(tensor.shape)} in the network) is not in the file")
+        elif list(state[key].shape) != list(tensor.shape):
+            found.append(f"{key} is {list(state[key].shape)} in the file and {list(tensor.shape)} in the network")
+    return found + [f"{key} is in the file but not in the network" for key in state if key not in expected]
+
+
+def set_weights(net: paddle.nn.Layer, state: dict, source: str | os.PathLike, fix: str = LOAD_MODEL_FIX) -> None:
+    """net.set_state_dict(state) when every name and shape fits, else CheckpointError naming the first mismatch.
+
+    Paddle's own set_state_dict only prints "Skip loading for ..." for a tensor that does not fit and goes on,
+    leaving it as it was: random, in a network just built.
+    """
+    found = mismatches(net, state)
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise CheckpointError(f"{source}: the weights do not fit this {type(net).__name__}: {found[0]}{more}; {fix}")
+    net.set_state_dict(state)
+
+
+def load_model(output_dir: str | os.PathLike, which: str = "last") -> paddle.nn.Layer:
+    """The run's network in eval mode with its weights: model.pdparams (which="last") or model_best.pdparams
+    ("best"), built as the run built it from its config.json (model, classes, channels and image size).
+
+    Raises CheckpointError, one line, when a file is missing or damaged or the weights do not fit the network.
+    """
+    if which not in WHICH:
+        raise ValueError(f"which must be one of {', '.join(WHICH)}, not {which!r}")
+    out = Path(output_dir)
+    if not (out / CONFIG_FILE).is_file():
+        raise CheckpointError(
+            f"{out}: no {CONFIG_FILE} here; pass a run's output directory (the trainer's --output-dir)"
+        )
+    cfg = load_config(out / CONFIG_FILE)
+    net = build_model(cfg.model, len(cfg.classes), image_shape(cfg))
+    path = out / WHICH[which]
+    fix = (
+        f"they are not the weights of the run its {CONFIG_FILE} describes (--model {cfg.model}, "
+        f"{len(cfg.classes)} classes, images {image_shape(cfg)}): keep each run's {CONFIG_FILE} and weights together"
+    )
+    set_weights(net, load(path), path, fix)
+    net.eval()
+    return net
 
 
 class CheckpointStore:

@@ -293,7 +293,7 @@ def _export(files: RunFiles, net, ds: data.Dataset, cfg: Config, best: dict | No
     try:
         if cfg.export == "best" and best and files.enabled:
             net = build_model(cfg.model, len(ds.classes), ds.image_shape)
-            net.set_state_dict(checkpoint.load(Path(files.out) / BEST_WEIGHTS))
+            checkpoint.set_weights(net, checkpoint.load(Path(files.out) / BEST_WEIGHTS), Path(files.out) / BEST_WEIGHTS)
             weights = f"best: epoch {best['epoch']}, validation accuracy {best['val_acc']:.4f}"
         elif cfg.sync_bn and files.enabled:  # export plain batch norm: a CPU predictor has no kernel for SyncBatchNorm
             net = distributed.plain_batch_norm(net, build_model(cfg.model, len(ds.classes), ds.image_shape))

@@ -13,6 +13,9 @@ from . import augment, dashboard
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")  # built in: downloaded or shipped in data/
 FOLDER = "folder"  # the user's own images (folder.py)
+# (channels, height, width) of the built-in datasets' images; a folder's run records its own in config.json
+IMAGE_SHAPES = {"fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "mnist-json": (1, 28, 28), "cifar10": (3, 32, 32)}
+CONFIG_FILE = "config.json"  # the run's Config, in its output directory
 AUGMENTED_BY_DEFAULT = ("cifar10", "mnist", "mnist-json")  # shifts lift MNIST past 99.3% (docs/results.md)
 LR_SCHEDULES = ("poly", "constant")
 LR_SCALING = ("none", "linear")
@@ -492,6 +495,20 @@ def stretch_for_steps(cfg: Config, steps_per_epoch: int) -> Config:
 def effective_lr(cfg: Config) -> float:
     """The base learning rate after --lr-scaling: the peak the warmup climbs to and the decay starts from."""
     return cfg.lr * cfg.batch_size / cfg.reference_batch if cfg.lr_scaling == "linear" else cfg.lr
+
+
+def image_shape(cfg: Config) -> tuple[int, int, int]:
+    """(channels, height, width) of the images the run's network takes: a folder's from the size and channels the
+    run resolved (and recorded in config.json), a built-in dataset's from IMAGE_SHAPES."""
+    if cfg.dataset != FOLDER:
+        return IMAGE_SHAPES[cfg.dataset]
+    if not cfg.image_size or not cfg.channels:
+        raise ConfigError(
+            f"a folder run's {CONFIG_FILE} holds the image size and channels the run used; this one has "
+            f"image_size {cfg.image_size!r} and channels {cfg.channels}: it is not a started run's"
+        )
+    width, height = image_size(cfg.image_size)
+    return cfg.channels, height, width
 
 
 def load_config(path: Path) -> Config:

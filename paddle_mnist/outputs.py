@@ -15,14 +15,14 @@ from pathlib import Path
 import paddle
 
 from . import checkpoint, dashboard, data, export, plots
-from .config import Config
+from .config import CONFIG_FILE, Config
 from .distributed import DistEnv
 
 METRICS = plots.METRICS_FILE
-CONFIG = "config.json"
+CONFIG = CONFIG_FILE
 RESULTS = "results.json"
-WEIGHTS = "model.pdparams"  # the last weights
-BEST_WEIGHTS = "model_best.pdparams"  # the weights of the epoch with the highest validation accuracy
+WEIGHTS = checkpoint.WEIGHTS  # the last weights
+BEST_WEIGHTS = checkpoint.BEST_WEIGHTS  # the weights of the epoch with the highest validation accuracy
 RESULT_FILES = (METRICS, WEIGHTS, BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
 
 

@@ -11,11 +11,14 @@ from typing import Callable, Union
 import numpy as np
 from PIL import Image
 
-from . import cpu, export
+from . import cpu, export, preprocess
 
 BACKENDS = ("auto", "inference", "jit", "onnx")
 BATCH = 256  # images per forward pass, so memory stays flat however many images are given
 ImageLike = Union[str, os.PathLike, Image.Image, np.ndarray]
+FIRST_AXIS_CHANNELS = (1, 3)  # (C, H, W): grey or RGB, as the network itself takes them
+LAST_AXIS_CHANNELS = (1, 3, 4)  # (H, W, C): grey, RGB or RGBA, as Pillow and most image libraries hold them
+ONE_IMAGE = "(H, W), (H, W, C) with C 1, 3 or 4, or (C, H, W) with C 1 or 3"
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -31,6 +34,84 @@ def normalise(pixels: np.ndarray, meta: dict) -> np.ndarray:
     mean = np.asarray(meta["mean"], np.float32).reshape(1, c, 1, 1)
     std = np.asarray(meta["std"], np.float32).reshape(1, c, 1, 1)
     return (pixels.astype(np.float32) * np.float32(1 / 255) - mean) / std
+
+
+def as_uint8(array: np.ndarray) -> np.ndarray:
+    """uint8 pixels from uint8 or floats in [0, 1]; anything else is refused, never clipped: 0-255 floats clipped
+    to [0, 1] turn almost every stroke white, and the model still answers, wrongly."""
+    if array.dtype == np.uint8:
+        return array
+    if not np.issubdtype(array.dtype, np.floating):
+        raise TypeError(
+            f"image arrays must be uint8 pixels (0-255) or floats in [0, 1], not {array.dtype}: "
+            "pass array.astype(np.uint8) for 0-255 values"
+        )
+    if array.size:
+        lo, hi = float(np.min(array)), float(np.max(array))
+        if np.isnan(lo) or np.isnan(hi):
+            raise ValueError("float pixels hold NaN: pass floats in [0, 1] or uint8 pixels (0-255)")
+        if lo < 0 or hi > 1:
+            raise ValueError(
+                f"float pixels must lie in [0, 1], and these span {lo:g} to {hi:g}: divide 0-255 values by 255 "
+                "(or pass them as uint8), values of another range by its maximum"
+            )
+    return np.rint(array * 255).astype(np.uint8)
+
+
+def one_image(array: np.ndarray, image_shape: Sequence[int]) -> np.ndarray:
+    """One image's array as the model's (C, H, W), or as (H, W) or (H, W, C) for Pillow to convert and resize.
+
+    A 3-D array is (C, H, W) when its first axis is a channel count and its last is not; else (H, W, C). The
+    model's own (C, H, W) passes as it is.
+    """
+    if array.shape == tuple(image_shape):
+        return array
+    if array.ndim == 3:
+        first, last = array.shape[0] in FIRST_AXIS_CHANNELS, array.shape[2] in LAST_AXIS_CHANNELS
+        if first and not last:
+            array = array.transpose(1, 2, 0)
+        elif not last:
+            raise ValueError(
+                f"an image array must be {ONE_IMAGE}, not of shape {array.shape}; "
+                "a batch is a list of images or an (N, H, W, C) or (N, C, H, W) array"
+            )
+        if array.shape[2] == 1:
+            array = array[:, :, 0]
+    elif array.ndim != 2:
+        raise ValueError(
+            f"an image array must be {ONE_IMAGE}, or a batch (N, H, W, C) or (N, C, H, W), not of shape {array.shape}"
+        )
+    return array
+
+
+def split_batch(array: np.ndarray, image_shape: Sequence[int]) -> list[np.ndarray]:
+    """An array given as the images argument, as the images it holds (docs/deploy.md, "Arrays").
+
+    4-D is a batch and 2-D one image. A 3-D array is one image for a colour model, and for a grey model a batch of
+    N grey images (N, H, W), the idx files' own layout, unless an end axis of 1 makes it one image, (1, H, W) or
+    (H, W, 1). For a grey model (3, H, W) and (H, W, 3 or 4) are refused: each could be one colour image or that
+    many grey images, and either guess answers for the wrong number of images without a word.
+    """
+    if array.ndim == 4:
+        return list(array)
+    if array.ndim != 3 or image_shape[0] != 1 or array.shape == tuple(image_shape):
+        return [array]
+    n, h, w = array.shape
+    if w in (3, 4):
+        raise ValueError(
+            f"a {array.shape} array is ambiguous for this grey model: one colour image (H, W, {w}) or {w} grey "
+            f"images of {n}x{h} stacked on the last axis; add a batch axis, shape (1, {n}, {h}, {w}), for one "
+            "colour image, or pass the grey images as (N, H, W) (np.moveaxis(array, -1, 0)) or a list of 2-D arrays"
+        )
+    if n == 3:
+        raise ValueError(
+            f"a {array.shape} array is ambiguous for this grey model: 3 grey images of {h}x{w} or one colour image "
+            f"(C, H, W); pass the grey images as a list of 2-D arrays or shape (3, {h}, {w}, 1), or add a batch "
+            f"axis, shape (1, 3, {h}, {w}), for one colour image"
+        )
+    if n == 1 or w == 1:
+        return [array]
+    return list(array)
 
 
 def _inference_runner(prefix: Path, meta: dict, threads: int, device: str) -> Callable[[np.ndarray], np.ndarray]:
@@ -102,9 +183,9 @@ RUNNERS = {"inference": _inference_runner, "jit": _jit_runner, "onnx": _onnx_run
 class Predictor:
     """An exported model, loaded once: `Predictor.load("output/inference").predict(["shoe.png"])`.
 
-    It takes image files, PIL images or arrays (uint8 pixels 0-255, or floats 0-1; (H, W), (H, W, C), (C, H, W),
-    or a batch of those), turns each into the model's pixels with the trainer's preprocessing, and runs them in
-    batches of up to 256.
+    It takes image files, PIL images or arrays (uint8 pixels 0-255, or floats in [0, 1]; the shapes it takes and
+    refuses: split_batch and one_image, and the table in docs/deploy.md), turns each into the model's pixels with
+    the trainer's preprocessing, and runs them in batches of up to 256.
     """
 
     def __init__(self, prefix: Path, meta: dict, backend: str, run: Callable[[np.ndarray], np.ndarray]):
@@ -140,34 +221,22 @@ class Predictor:
         return tuple(self.meta["image_shape"])
 
     def pixels(self, image: ImageLike) -> np.ndarray:
-        """One image as the model's uint8 (C, H, W) pixels."""
-        from .predict import image_pixels, load_image
-
+        """One image as the model's uint8 (C, H, W) pixels; an array is one image here (layouts: one_image)."""
         background = tuple(self.meta.get("background", (0,)))
-        if isinstance(image, (str, os.PathLike)):
-            return load_image(image, self.image_shape, background)
-        if isinstance(image, Image.Image):
-            return image_pixels(image, self.image_shape, background)
-        array = np.asarray(image)
-        if array.dtype != np.uint8:
-            if not np.issubdtype(array.dtype, np.floating):
-                raise TypeError(f"arrays must be uint8 pixels or floats in [0, 1], not {array.dtype}")
-            array = np.clip(np.rint(array * 255), 0, 255).astype(np.uint8)
         c, h, w = self.image_shape
+        if isinstance(image, (str, os.PathLike)):
+            return preprocess.load_image(image, c, (w, h), background)
+        if isinstance(image, Image.Image):
+            return np.ascontiguousarray(preprocess.to_pixels(image, c, (w, h), background))
+        array = one_image(as_uint8(np.asarray(image)), self.image_shape)
         if array.shape == (c, h, w):
             return array
-        if array.ndim == 3 and array.shape[0] in (1, 3) and array.shape[2] not in (1, 3, 4):
-            array = array.transpose(1, 2, 0)  # (C, H, W) of another size
-        if array.ndim == 3 and array.shape[2] == 1:
-            array = array[:, :, 0]
-        if array.ndim not in (2, 3):
-            raise ValueError(f"an image array must be (H, W), (H, W, C) or (C, H, W), not of shape {array.shape}")
-        return image_pixels(Image.fromarray(array), self.image_shape, background)
+        return np.ascontiguousarray(preprocess.to_pixels(Image.fromarray(array), c, (w, h), background))
 
     def _images(self, images: ImageLike | Sequence[ImageLike]) -> list[ImageLike]:
-        if isinstance(images, np.ndarray) and images.ndim == 4:
-            return list(images)
-        if isinstance(images, (str, os.PathLike, Image.Image, np.ndarray)):
+        if isinstance(images, np.ndarray):
+            return split_batch(images, self.image_shape)
+        if isinstance(images, (str, os.PathLike, Image.Image)):
             return [images]
         return list(images)
 

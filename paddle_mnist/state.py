@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from . import distributed, rng
+from . import checkpoint, distributed, rng
 from .config import FOLDER, Config, ConfigError, effective_lr
 from .distributed import DistEnv
 from .ema import WeightAverage
@@ -37,6 +37,7 @@ def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup
     return opt, sched
 
 
+RESUME_FIX = "pass another --output-dir, or --overwrite to start afresh"
 RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels")  # a resume must keep these flags
 
 
@@ -139,7 +140,7 @@ class TrainState:
     def restore(self, contents: dict, path: Path, env: DistEnv) -> str | None:
         """Continue from a checkpoint's contents; a warning line when its RNG states do not fit this job."""
         check_resumable(contents.get("config", {}), self.cfg, path)
-        self.model.set_state_dict(contents["model"])
+        checkpoint.set_weights(self.model, contents["model"], path, RESUME_FIX)
         self.untrained = {  # set in start(), after DataParallel has broadcast rank 0's
             "model": contents.get("untrained_by_rank") or [],
             "ema": contents.get("ema_untrained_by_rank") or [],
@@ -149,7 +150,7 @@ class TrainState:
         if self.scaler and contents.get("scaler"):
             self.scaler.load_state_dict(contents["scaler"])
         if self.ema:  # a checkpoint from before --ema was turned on starts the average from its weights
-            self.ema.set_state_dict(contents.get("ema") or contents["model"])
+            checkpoint.set_weights(self.ema.net, contents.get("ema") or contents["model"], path, RESUME_FIX)
         saved_rng = contents["rng"]
         by_rank = saved_rng.get("by_rank")
         if by_rank is None:  # written before checkpoints kept every rank's states

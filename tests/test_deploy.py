@@ -17,7 +17,8 @@ import pytest
 from helpers import REPO, TRAIN_PY
 from PIL import Image
 
-from paddle_mnist import Predictor, checkpoint, data
+from paddle_mnist import Predictor, checkpoint, data, load_model
+from paddle_mnist.config import Config
 from paddle_mnist.models import build_model
 from paddle_mnist.predictor import softmax
 
@@ -164,6 +165,48 @@ def test_files_pil_images_and_arrays_are_the_same_image_to_the_predictor(trained
 
 
 @pytest.mark.slow
+def test_a_grey_model_takes_every_unambiguous_array_and_refuses_the_rest_in_one_line(trained):
+    """The table in docs/deploy.md, "Arrays", for a grey model, with the three reported defects: an (N, H, W)
+    uint8 batch (the idx files' layout), a (3, H, W) array (3 grey images or one colour image), and floats 0-255."""
+    root, test = trained
+    predictor = Predictor.load(root / "output")
+    grey = test.images[:5, 0]  # (5, 28, 28) uint8
+    each = predictor.probabilities(list(grey))
+    assert each.shape == (5, 10) and len({tuple(row.round(4)) for row in each}) == 5, "5 different images"
+    for batch in (grey, grey[:, None], grey[:, :, :, None], grey.astype(np.float64) / 255):
+        assert np.abs(predictor.probabilities(batch) - each).max() < 1e-6, batch.shape
+    for one in (grey[0], grey[:1], grey[0][:, :, None], grey[0].astype(np.float32) / 255):
+        assert np.abs(predictor.probabilities(one) - each[:1]).max() < 1e-6, one.shape
+
+    # any size, resized as an image file is: (N, H, W) of 40x36 images
+    big = [np.asarray(Image.fromarray(g).resize((36, 40), Image.BILINEAR)) for g in grey]
+    assert np.abs(predictor.probabilities(np.stack(big)) - predictor.probabilities(big)).max() < 1e-6
+
+    # one colour image, made unambiguous by a batch axis, is read as the PIL image is
+    colour = np.stack([grey[0], grey[1], grey[2]], axis=-1)
+    as_pil = predictor.probabilities(Image.fromarray(colour))
+    for form in (colour[None], colour.transpose(2, 0, 1)[None], [colour], [colour.transpose(2, 0, 1)]):
+        assert np.abs(predictor.probabilities(form) - as_pil).max() < 1e-6
+
+    refused = {
+        "(3, 28, 28)": (grey[:3], r"3 grey images of 28x28 or one colour image.*\(1, 3, 28, 28\)"),
+        "(28, 28, 3)": (colour, r"one colour image \(H, W, 3\) or 3 grey images.*\(1, 28, 28, 3\)"),
+        "(28, 28, 4)": (np.dstack([colour, grey[3]]), r"one colour image \(H, W, 4\) or 4 grey images"),
+        "floats 0-255": (grey.astype(np.float32), r"span 0 to 255: divide 0-255 values by 255"),
+        "floats 0-16": (grey.astype(np.float32) / 16, r"span 0 to 15.9375: .*another range by its maximum"),
+        "NaN": (np.full((28, 28), np.nan, np.float32), "NaN"),
+        "(5, 28, 7) in a list": ([np.zeros((5, 28, 7), np.uint8)], r"not of shape \(5, 28, 7\)"),
+    }
+    for case, (form, message) in refused.items():
+        with pytest.raises(ValueError, match=message) as e:
+            predictor.probabilities(form)
+        assert "\n" not in str(e.value), case
+    for dtype in (np.int64, np.uint16, bool):
+        with pytest.raises(TypeError, match=r"uint8 pixels \(0-255\) or floats in \[0, 1\], not (int64|uint16|bool)"):
+            predictor.probabilities(grey.astype(dtype))
+
+
+@pytest.mark.slow
 def test_a_transparent_background_is_laid_on_the_black_the_model_was_trained_on(trained, tmp_path):
     """An MNIST-type image whose black ground is made transparent is classified as the opaque image is. White
     lies under the transparent pixels, so a reader that dropped the alpha channel would see a white ground."""
@@ -297,3 +340,69 @@ def test_every_name_the_docs_import_exists():
                 module = __import__(node.module, fromlist=["_"])
                 for alias in node.names:
                     assert hasattr(module, alias.name), f"{page} snippet {index}: {node.module}.{alias.name}"
+
+
+def fake_run(out: Path, image_size: str, weights_shape: tuple[int, int, int]) -> Path:
+    """An output directory as a folder run of mnist_cnn writes it: its config.json (image_size WxH, grey, 3
+    classes) and model.pdparams, here of a network built for weights_shape."""
+    out.mkdir(parents=True)
+    cfg = Config(dataset="folder", model="mnist_cnn", image_size=image_size, channels=1, classes=("a", "b", "c"))
+    (out / "config.json").write_text(cfg.to_json())
+    paddle.seed(7)
+    checkpoint.save_atomic(build_model("mnist_cnn", 3, weights_shape).state_dict(), out / "model.pdparams")
+    return out
+
+
+def test_load_model_builds_the_runs_network_from_its_config(tmp_path):
+    out = fake_run(tmp_path / "run", "24x16", (1, 16, 24))
+    net = load_model(out)
+    assert not net.training, "load_model returns the network in eval mode"
+    assert checkpoint.digest(net) == checkpoint.digest_state(checkpoint.load(out / "model.pdparams"))
+    assert list(net.fc.weight.shape) == [20 * 4 * 6, 3]  # 16x24 images, 3 classes
+    with pytest.raises(checkpoint.CheckpointError, match="model_best.pdparams: cannot be read"):
+        load_model(out, which="best")
+
+
+def test_weights_that_do_not_fit_are_one_error_not_paddles_warning(tmp_path, capfd):
+    """Weights of 28x28 images into the network of the run's 24x16: Paddle alone prints "Skip loading" and
+    leaves the dense layer random."""
+    out = fake_run(tmp_path / "run", "24x16", (1, 28, 28))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        load_model(out)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(str(out / "model.pdparams"))
+    assert "fc.weight is [980, 3] in the file and [480, 3] in the network" in message, message
+    assert "Skip loading" not in capfd.readouterr().err
+    net = build_model("mnist_cnn", 3, (1, 16, 24))
+    state = net.state_dict()
+    state.pop("features.0.bias")
+    with pytest.raises(checkpoint.CheckpointError, match=r"features.0.bias \(shape \[20\] in the network\) is not"):
+        checkpoint.set_weights(net, state, "a dict")
+    with pytest.raises(checkpoint.CheckpointError, match="extra is in the file but not in the network"):
+        checkpoint.set_weights(net, {**net.state_dict(), "extra": paddle.zeros([1])}, "a dict")
+
+
+@pytest.mark.slow
+def test_load_model_of_a_folder_run_predicts_as_its_export(tmp_path):
+    """A run on a folder of 28x28 images trained at 24x16: load_model's network gives the exported model's
+    probabilities on the same images; which="best" loads model_best.pdparams."""
+    fashion = data.load_dataset("fashion-mnist", None).test
+    for label, name in ((0, "top"), (1, "trouser"), (7, "sneaker")):
+        (tmp_path / "images" / "train" / name).mkdir(parents=True)
+        for row in np.flatnonzero(fashion.labels == label)[:24]:
+            Image.fromarray(fashion.images[row, 0]).save(tmp_path / "images" / "train" / name / f"{row}.png")
+    out = tmp_path / "output"
+    args = ["--dataset", "folder", "--data-dir", str(tmp_path / "images"), "--image-size", "24x16"]
+    args += ["--epochs", "2", "--min-steps", "0", "--batch-size", "16", "--output-dir", str(out)]
+    proc = run([str(TRAIN_PY), *args], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predictor = Predictor.load(out)
+    assert predictor.image_shape == (1, 16, 24) and predictor.classes == ["sneaker", "top", "trouser"]
+    images = fashion.images[:32, 0]
+    net = load_model(out)
+    with paddle.no_grad():
+        x = data.normalise(np.stack([predictor.pixels(i) for i in images]), *json_stats(tmp_path))
+        probs = softmax(net(paddle.to_tensor(x)).numpy())
+    assert np.abs(probs - predictor.probabilities(images)).max() < 1e-5
+    best = load_model(out, which="best")
+    assert checkpoint.digest(best) == checkpoint.digest_state(checkpoint.load(out / "model_best.pdparams"))

@@ -16,7 +16,7 @@ from PIL import Image
 
 from paddle_mnist import data, export, predict
 from paddle_mnist.models import MnistCNN
-from paddle_mnist.predictor import softmax
+from paddle_mnist.predictor import Predictor, softmax
 
 
 def run_predict(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -164,3 +164,32 @@ def test_load_image_converts_mode_and_size(tmp_path):
     Image.new("RGBA", (28, 28), (0, 0, 0, 0)).save(transparent)
     assert np.all(predict.load_image(transparent, (1, 28, 28)) == 0)  # laid on the ground given: black by default
     assert np.all(predict.load_image(transparent, (3, 28, 28), (10, 20, 30)).reshape(3, -1).T == (10, 20, 30))
+
+
+@pytest.mark.slow
+def test_a_colour_model_reads_a_3d_array_as_one_image(tmp_path):
+    """The colour column of the table in docs/deploy.md, "Arrays": (C, H, W) and (H, W, C) are one image, and an
+    (N, H, W) array is refused (for a colour model a 3-D array is one image), its grey images taken as (N, H, W, 1)."""
+    images, labels = make_colour_images(8, seed=2)  # (8, 3, 32, 32) uint8
+    mean, std = data.channel_stats(images)
+    split = data.Split(images, labels)
+    ds = data.Dataset("cifar10", split, split, split, mean, std, tuple(CIFAR_CLASSES))
+    paddle.seed(5)
+    export.export_inference(MnistCNN(in_channels=3, image_size=32), ds, tmp_path / "inference")
+    predictor = Predictor.load(tmp_path, backend="jit")
+    chw = images[0]
+    expected = predictor.probabilities(Image.fromarray(chw.transpose(1, 2, 0)))
+    for form in (chw, chw.transpose(1, 2, 0), chw[None], [chw], chw.astype(np.float32) / 255):
+        assert np.abs(predictor.probabilities(form) - expected).max() < 1e-6, getattr(form, "shape", form)
+    rgba = np.dstack([chw.transpose(1, 2, 0), np.full((32, 32), 255, np.uint8)])  # opaque: the same image
+    for form in (rgba, rgba[None]):
+        assert np.abs(predictor.probabilities(form) - expected).max() < 1e-6
+
+    grey = images[:5, 0]
+    each = predictor.probabilities(list(grey))
+    assert each.shape == (5, 10)
+    assert np.abs(predictor.probabilities(grey[:, :, :, None]) - each).max() < 1e-6
+    for one in (grey[0], grey[0][None], grey[0][:, :, None]):
+        assert np.abs(predictor.probabilities(one) - each[:1]).max() < 1e-6
+    with pytest.raises(ValueError, match=r"not of shape \(5, 32, 32\); a batch is a list of images or an \(N, H, W"):
+        predictor.probabilities(grey)
