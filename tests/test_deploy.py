@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ SHOE, SHIRT = 0, 4  # Fashion-MNIST test images 0 (an ankle boot) and 4 (a shirt
 
 
 def env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "GLOG_minloglevel"} | {"PYTHONPATH": str(REPO)}
+    """The caller's environment: the package as the README's set-up installs it, imported from any folder."""
+    return {k: v for k, v in os.environ.items() if k != "GLOG_minloglevel"}
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -51,6 +53,7 @@ def trained(tmp_path_factory):
     test = data.load_dataset("fashion-mnist", None).test
     Image.fromarray(test.images[SHOE, 0]).save(root / "shoe.png")
     Image.fromarray(test.images[SHIRT, 0]).save(root / "shirt.png")
+    shutil.copytree(REPO / "data" / "samples", root / "data" / "samples")  # what the docs' snippets open
     return root, test
 
 
@@ -306,7 +309,7 @@ def test_the_docs_hold_python_snippets_to_check():
 @pytest.mark.slow
 @pytest.mark.parametrize("page,index,block", SNIPPETS, ids=[f"{n}-{i}" for n, i, _ in SNIPPETS])
 def test_every_python_snippet_in_the_docs_runs_on_a_trained_run(trained, onnx_ready, page, index, block):
-    """Each snippet runs as written in a folder holding output/ (a real run) and shoe.png, shirt.png; where it
+    """Each snippet runs as written in a folder holding output/ (a real run), shoe.png, shirt.png and data/samples/; where it
     prints a class for an image, that is the Predictor's class for it."""
     root, _ = trained
     if "onnxruntime" in block:
@@ -318,7 +321,7 @@ def test_every_python_snippet_in_the_docs_runs_on_a_trained_run(trained, onnx_re
     assert not skipped, f"{page} snippet {index} loads weights into another network:\n" + "\n".join(skipped[:5])
     predictor = Predictor.load(root / "output")
     for line in proc.stdout.splitlines():
-        match = re.match(r"(\w+\.png) (.+)", line)
+        match = re.match(r"(\S+\.(?:png|jpg)) (.+)", line)
         if match:
             expected = predictor.predict(root / match[1], top=1)[0][0]["name"]
             assert match[2].startswith(expected), (page, index, line, expected)
