@@ -135,9 +135,14 @@ def list_folder(root: str | Path) -> Listing:
     if not root.is_dir():
         raise DataError(f"--data-dir {root}: no such folder; pass the folder that holds train/<class>/")
     train_dir = root / "train"
-    if not train_dir.is_dir():
-        raise DataError(f"{root} has no train/ folder; put the training images in {train_dir}/<class name>/")
     extensions = image_extensions()
+    if not train_dir.is_dir():
+        if why := _split_itself(root, extensions):
+            raise DataError(
+                f"{root} has no train/ folder and looks like a split itself ({why}); pass the folder that holds "
+                f"train/: --data-dir {root.resolve().parent}"
+            )
+        raise DataError(f"{root} has no train/ folder; put the training images in {train_dir}/<class name>/")
     loose = [p.name for p in _visible(train_dir) if p.is_file() and p.suffix.lower() in extensions]
     if loose:
         raise DataError(
@@ -183,6 +188,18 @@ def list_folder(root: str | Path) -> Listing:
         for split, by_class in listed.items()
     }
     return Listing(root, classes, splits, tuple(ignored))
+
+
+def _split_itself(root: Path, extensions: frozenset[str]) -> str | None:
+    """Why root looks like DATA_DIR/train (or val/, test/) rather than DATA_DIR, or None: a user who passes the
+    split itself must be told to pass its parent, not to make root/train/ inside it."""
+    if root.name.lower() in ("train", *VAL_NAMES, "test"):
+        return f"it is named {root.name}/"
+    for sub in [p for p in _visible(root) if p.is_dir()][:10]:  # a few: root may be any large folder
+        images = [p for p in _visible(sub) if p.is_file() and p.suffix.lower() in extensions]
+        if images:  # a class folder holding images, where train/<class name>/ would hold them
+            return f"{sub.name}/ holds images such as {images[0].name}, as a class folder does"
+    return None
 
 
 def _check_classes(train_dir: Path, classes: tuple[str, ...]) -> None:

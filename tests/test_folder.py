@@ -147,6 +147,18 @@ def test_bad_layouts_are_refused_with_one_line(tmp_path, fashion, case):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_training_split_itself_is_told_to_pass_its_parent(tmp_path, fashion):
+    """--data-dir my_images/train: the fix is the parent folder, not my_images/train/train/<class name>/."""
+    root = make_folder(tmp_path / "my_images", fashion, train=2)
+    shutil.copytree(root / "train", tmp_path / "digits")  # the split under another name: its class folders tell
+    for given, why in ((root / "train", "it is named train/"), (tmp_path / "digits", "holds images such as")):
+        with pytest.raises(DataError) as e:
+            folder.list_folder(given)
+        message = str(e.value)
+        assert why in message and message.endswith(f"pass the folder that holds train/: --data-dir {given.parent}")
+        assert "train/train" not in message and "\n" not in message
+
+
 def _vanishing(monkeypatch, files: list[Path], folders: list[Path]) -> None:
     """os.scandir as it is when other programs remove things while the dataset is listed: each of files is
     removed right after scandir has returned its entry (before it is stat'ed), each of folders right before it is
