@@ -212,6 +212,16 @@ def _check_classes(train_dir: Path, classes: tuple[str, ...]) -> None:
         )
 
 
+def numbered(classes: tuple[str, ...], shown: int = 12) -> str:
+    """The label of each class, "0=eight, 1=five, ...": the network's output index i is classes[i]. Past shown
+    classes, the first and last few with the count between them, so the line stays one line."""
+    pairs = [f"{i}={name}" for i, name in enumerate(classes)]
+    if len(pairs) > shown:
+        head, tail = pairs[: shown - 2], pairs[-2:]
+        pairs = [*head, f"... {len(classes) - len(head) - len(tail)} more ...", *tail]
+    return ", ".join(pairs)
+
+
 def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:
     """The files of each split of the dataset, in the cache's order (by Entry.key).
 

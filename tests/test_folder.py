@@ -159,6 +159,13 @@ def test_the_training_split_itself_is_told_to_pass_its_parent(tmp_path, fashion)
         assert "train/train" not in message and "\n" not in message
 
 
+def test_classes_are_numbered_by_label_in_one_short_line():
+    assert folder.numbered(("eight", "five", "zero")) == "0=eight, 1=five, 2=zero"
+    many = folder.numbered(tuple(f"c{i:03}" for i in range(1000)))
+    first = ", ".join(f"{i}=c{i:03}" for i in range(10))
+    assert many == f"{first}, ... 988 more ..., 998=c998, 999=c999"
+
+
 def _vanishing(monkeypatch, files: list[Path], folders: list[Path]) -> None:
     """os.scandir as it is when other programs remove things while the dataset is listed: each of files is
     removed right after scandir has returned its entry (before it is stat'ed), each of folders right before it is
@@ -515,6 +522,9 @@ def runs(tmp_path_factory, fashion):
 def test_two_workers_equal_one_process_on_a_folder(runs):
     logs = [worker_log(runs / "log", r) for r in (0, 1)]
     assert "decoding 360 images" in logs[0] and "decoding" not in logs[1]  # rank 0 built, rank 1 waited
+    for log in logs:  # the label of each class, once, at start-up
+        named = "classes (4, labels by sorted folder name): 0=Ankle boot ü, 1=Sandalé, 2=T-shirt top, 3=Trouser;"
+        assert log.count(named) == 1, log
     assert "decoding" not in (runs / "one.log").read_text()  # the cache was fresh
     assert param_digest(logs[0]) == param_digest(logs[1])
     one, two = weights(runs / "one" / "model.pdparams"), weights(runs / "two" / "model.pdparams")
