@@ -214,8 +214,12 @@ def run(
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
     resumed = _choose_checkpoint(store, cfg, env, log)
     if resumed:
-        if warning := state.restore(checkpoint.load(resumed), resumed, env):
+        contents = checkpoint.load(resumed)
+        if warning := state.restore(contents, resumed, env):
             log.warning(warning)
+        if replanned := state.replan(contents.get("config", {})):
+            log.info(replanned)
+        del contents  # the checkpoint's arrays are no longer needed
         log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
     files = RunFiles(cfg, env, store)
     files.start(state.epoch if resumed else None, state.step, log)
