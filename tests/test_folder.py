@@ -595,6 +595,19 @@ def test_bad_folder_through_the_command(tmp_path, fashion, breaks, message):
 
 
 @pytest.mark.slow
+def test_a_small_folder_is_told_the_batch_size_that_fits_and_not_to_raise_a_train_limit_it_never_set(tmp_path, fashion):
+    """40 images, 4 held out (--val-split 0.1): 36 train, fewer than the default global batch of 64."""
+    root = make_folder(tmp_path / "d", fashion, train=10)
+    proc = run_single(["--dataset", "folder", "--data-dir", str(root), "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = _error_lines(proc.stdout + proc.stderr)
+    assert line.endswith(
+        "the training split has 36 images, fewer than one global batch of 64: pass --batch-size 36 or less"
+    )
+    assert "--train-limit" not in line and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
 def test_bad_file_stops_both_workers(tmp_path, fashion):
     root = make_folder(tmp_path / "d", fashion, train=2, val=1)
     _truncate(next((root / "train" / "Trouser").glob("*.jpg")))
