@@ -2,7 +2,7 @@
 
 import sys
 
-from paddle_mnist.cli import main
+from paddle_mnist.start import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -170,7 +170,8 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger) -> tuple[Config, 
         log.info(f"left out {len(listing.ignored)} files that are not images by their name, e.g. {listing.ignored[0]}")
     if manifest["skipped"]:
         log.warning(f"warning: left out {len(manifest['skipped'])} unreadable images: {'; '.join(manifest['skipped'])}")
-    log.info(f"classes ({len(ds.classes)}): {', '.join(ds.classes)}; images from the cache {cache}")
+    numbered = folder.numbered(ds.classes)  # labels follow the sorted folder names: say which is which
+    log.info(f"classes ({len(ds.classes)}, labels by sorted folder name): {numbered}; images from the cache {cache}")
     resolved = {"image_size": f"{width}x{height}", "channels": manifest["channels"], "classes": ds.classes}
     return dataclasses.replace(cfg, **resolved), ds
 
@@ -213,8 +214,12 @@ def run(
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
     resumed = _choose_checkpoint(store, cfg, env, log)
     if resumed:
-        if warning := state.restore(checkpoint.load(resumed), resumed, env):
+        contents = checkpoint.load(resumed)
+        if warning := state.restore(contents, resumed, env):
             log.warning(warning)
+        if replanned := state.replan(contents.get("config", {})):
+            log.info(replanned)
+        del contents  # the checkpoint's arrays are no longer needed
         log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
     files = RunFiles(cfg, env, store)
     files.start(state.epoch if resumed else None, state.step, log)

@@ -180,7 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--epochs",
         type=_non_negative("--epochs"),
-        help="passes over the training split (None: the model's recipe, more on a small training split: --min-steps)",
+        help="passes over the training split (None: the model's recipe, more on a small training split: --min-steps); "
+        "with --resume, another value re-plans the schedule from the checkpoint's step over this many epochs, "
+        "logged (poly: the rate jumps to the new plan's and decays to 0 at the new end), e.g. to extend a "
+        "finished run",
     )
     _add_count(
         p,
@@ -290,7 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.resume,
         choices=("no", "yes", "auto"),
         help="--resume: continue from the last checkpoint in --output-dir (mid-epoch included); "
-        "--resume auto: continue if a checkpoint exists, else start afresh",
+        "--resume auto: continue if a checkpoint exists, else start afresh. A changed --epochs, --lr, "
+        "--warmup-epochs, --lr-schedule or --lr-scaling re-plans the learning-rate schedule from the checkpoint's "
+        "step, and one line says so",
     )
     p.add_argument(
         "--overwrite", action="store_true", help="start afresh even if --output-dir holds an earlier run's results"

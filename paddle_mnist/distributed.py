@@ -6,6 +6,7 @@ import contextlib
 import os
 import pickle
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -173,7 +174,8 @@ def setup() -> DistEnv:
         if problem:
             raise LaunchError(problem)
     if world > 1:
-        dist.init_parallel_env()
+        with _flags_banner_dropped(os.environ):
+            dist.init_parallel_env()
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         rank = 0
@@ -182,6 +184,49 @@ def setup() -> DistEnv:
     paddle.set_device(device)
     backend = "none" if world == 1 else os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if use_gpu else "gloo")
     return DistEnv(rank, world, local_rank, local_size, backend, device)
+
+
+BANNER = "======================= Modified FLAGS detected"  # init_parallel_env's, on stderr, then one line a flag
+
+
+class _BannerFilter:
+    """sys.stderr while init_parallel_env runs: its banner of every FLAGS_* that differs from its default is held
+    back, and written only if it names a flag the user set; everything else passes straight through."""
+
+    def __init__(self, out, user_flags: set[str]):
+        self.out, self.user_flags, self.held = out, user_flags, None
+
+    def write(self, text: str) -> int:
+        if self.held is None and not text.startswith(BANNER):
+            return self.out.write(text)
+        self.held = (self.held or "") + text
+        if self.held.count("\n") > 1 and self.held.endswith("=\n"):  # the closing rule: the banner is whole
+            self.release()
+        return len(text)
+
+    def release(self) -> None:
+        banner, self.held = self.held or "", None
+        if any(f"name='{flag}'" in banner for flag in self.user_flags):
+            self.out.write(banner)
+
+    def __getattr__(self, name: str):
+        return getattr(self.out, name)
+
+
+@contextlib.contextmanager
+def _flags_banner_dropped(environ: Mapping[str, str]):
+    """Paddle's init_parallel_env lists, in every worker's log, the FLAGS_* whose values differ from their
+    defaults; Paddle 3 sets one of them itself (FLAGS_enable_pir_in_executor), so the banner came with every run.
+    It is kept when it names a flag the user set (a FLAGS_* variable other than the launcher's FLAGS_selected_*)."""
+    user = {k for k in environ if k.startswith("FLAGS_") and not k.startswith("FLAGS_selected_")}
+    real = sys.stderr
+    sys.stderr = filtered = _BannerFilter(real, user)
+    try:
+        yield
+    finally:
+        sys.stderr = real
+        if filtered.held is not None:  # cut short: show what there was
+            real.write(filtered.held)
 
 
 def sync_bn_problem(env: DistEnv) -> str | None:

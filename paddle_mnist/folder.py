@@ -135,9 +135,14 @@ def list_folder(root: str | Path) -> Listing:
     if not root.is_dir():
         raise DataError(f"--data-dir {root}: no such folder; pass the folder that holds train/<class>/")
     train_dir = root / "train"
-    if not train_dir.is_dir():
-        raise DataError(f"{root} has no train/ folder; put the training images in {train_dir}/<class name>/")
     extensions = image_extensions()
+    if not train_dir.is_dir():
+        if why := _split_itself(root, extensions):
+            raise DataError(
+                f"{root} has no train/ folder and looks like a split itself ({why}); pass the folder that holds "
+                f"train/: --data-dir {root.resolve().parent}"
+            )
+        raise DataError(f"{root} has no train/ folder; put the training images in {train_dir}/<class name>/")
     loose = [p.name for p in _visible(train_dir) if p.is_file() and p.suffix.lower() in extensions]
     if loose:
         raise DataError(
@@ -185,6 +190,18 @@ def list_folder(root: str | Path) -> Listing:
     return Listing(root, classes, splits, tuple(ignored))
 
 
+def _split_itself(root: Path, extensions: frozenset[str]) -> str | None:
+    """Why root looks like DATA_DIR/train (or val/, test/) rather than DATA_DIR, or None: a user who passes the
+    split itself must be told to pass its parent, not to make root/train/ inside it."""
+    if root.name.lower() in ("train", *VAL_NAMES, "test"):
+        return f"it is named {root.name}/"
+    for sub in [p for p in _visible(root) if p.is_dir()][:10]:  # a few: root may be any large folder
+        images = [p for p in _visible(sub) if p.is_file() and p.suffix.lower() in extensions]
+        if images:  # a class folder holding images, where train/<class name>/ would hold them
+            return f"{sub.name}/ holds images such as {images[0].name}, as a class folder does"
+    return None
+
+
 def _check_classes(train_dir: Path, classes: tuple[str, ...]) -> None:
     if not classes:
         raise DataError(f"{train_dir} holds no images; put each class's images in {train_dir}/<class name>/")
@@ -193,6 +210,16 @@ def _check_classes(train_dir: Path, classes: tuple[str, ...]) -> None:
             f"{train_dir} holds one class folder ({classes[0]}/); a classifier needs at least two: "
             f"add a folder of images for each class"
         )
+
+
+def numbered(classes: tuple[str, ...], shown: int = 12) -> str:
+    """The label of each class, "0=eight, 1=five, ...": the network's output index i is classes[i]. Past shown
+    classes, the first and last few with the count between them, so the line stays one line."""
+    pairs = [f"{i}={name}" for i, name in enumerate(classes)]
+    if len(pairs) > shown:
+        head, tail = pairs[: shown - 2], pairs[-2:]
+        pairs = [*head, f"... {len(classes) - len(head) - len(tail)} more ...", *tail]
+    return ", ".join(pairs)
 
 
 def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:

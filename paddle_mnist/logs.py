@@ -18,6 +18,11 @@ EPOCH_DONE = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) done")
 TAG = re.compile(r"\[rank (\d+)/\d+\]")
 WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 MEMORY = re.compile(r"memory (\d+) MiB")
+# A run's first line in a worker log (start.announce), before Paddle loads; in logs from before it, the first line
+# of training. The launcher appends a run to the files of an earlier one when --log_dir is reused.
+RUN_START = re.compile(r"^\S+ \[rank \d+/\S+\] started: ")
+OLD_RUN_START = re.compile(r"\[rank \d+/\d+\] rank \d+ of world size \d+ ")
+MASTER = re.compile(r"^PADDLE_MASTER=(.+)$", re.M)  # in the launcher's envlog.N, one block a run
 # the legacy launcher (paddle.distributed.fleet.launch) on its stdout: rank=[1] or rank=[0, 1]
 PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.M)  # not Paddle's "C++ Traceback ..."
 # The last words of a process that C++ or a signal ends: Paddle's handler, an uncaught C++ exception, the
@@ -170,6 +175,7 @@ class RankReport:
     evidence: tuple[str, ...] = ()  # those lines
     memory_mb: int | None = None  # the last memory figure it logged
     last_line: str = ""
+    earlier_runs: int = 0  # runs before the last in the same file, left unread
 
 
 def known_failure(lines: list[str]) -> tuple[Failure | None, tuple[str, ...]]:
@@ -181,8 +187,18 @@ def known_failure(lines: list[str]) -> tuple[Failure | None, tuple[str, ...]]:
     return None, ()
 
 
+def last_run(text: str) -> tuple[str, int]:
+    """The last run's part of a worker log, and how many runs came before it in the file."""
+    lines = text.splitlines(keepends=True)
+    for marker in (RUN_START, OLD_RUN_START):
+        starts = [i for i, line in enumerate(lines) if marker.search(line)]
+        if starts:
+            return "".join(lines[starts[-1] :]), len(starts) - 1
+    return text, 0
+
+
 def read_rank(path: Path) -> RankReport:
-    text = path.read_text(errors="replace").replace("\0", "")
+    text, earlier = last_run(path.read_text(errors="replace").replace("\0", ""))
     lines = text.splitlines()
     ranks = [int(m.group(1)) for m in map(TAG.search, lines) if m]
     where = "before the first step"
@@ -209,7 +225,8 @@ def read_rank(path: Path) -> RankReport:
     memory = [int(m.group(1)) for m in map(MEMORY.search, lines) if m]
     last = next((line.strip() for line in reversed(lines) if line.strip()), "")
     rank, memory_mb = ranks[-1] if ranks else None, memory[-1] if memory else None
-    return RankReport(path, rank, status, where, message, path.stat().st_mtime, failure, evidence, memory_mb, last)
+    mtime = path.stat().st_mtime
+    return RankReport(path, rank, status, where, message, mtime, failure, evidence, memory_mb, last, earlier)
 
 
 def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankReport, list[str]]:
@@ -243,6 +260,8 @@ def _short(line: str) -> str:
 
 def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> tuple[Failure, list[str]] | None:
     """The known failure behind the first rank's end, and its evidence (lines, each with where it came from)."""
+    if first.failure is PORT:
+        return PORT, [f"{first.log.name}: {line}" for line in first.evidence] + _ports(first.log)
     if first.failure is not None:
         return first.failure, [f"{first.log.name}: {line}" for line in first.evidence]
     if first.status not in ("stopped", "crashed"):
@@ -264,6 +283,14 @@ def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> 
     return None
 
 
+def _ports(workerlog: Path) -> list[str]:
+    """The key-value store's address that the launcher gave the worker's last run, from its envlog.N: Paddle 3
+    names the port only in an INFO line, which the trainer hides (start.quiet_paddle)."""
+    envlog = workerlog.with_name(workerlog.name.replace("workerlog", "envlog"))
+    found = MASTER.findall(envlog.read_text(errors="replace")) if envlog.is_file() else []
+    return [f"{envlog.name}: PADDLE_MASTER={found[-1]} (rank 0's key-value store)"] if found else []
+
+
 def summarise(log_dir: Path, launcher_output: list[Path] | None = None) -> str:
     paths = sorted((p for p in Path(log_dir).iterdir() if WORKERLOG.match(p.name)), key=lambda p: int(p.suffix[1:]))
     if not paths:
@@ -271,6 +298,12 @@ def summarise(log_dir: Path, launcher_output: list[Path] | None = None) -> str:
     launcher = [line for p in launcher_output or [] for line in p.read_text(errors="replace").splitlines()]
     reports = [read_rank(p) for p in paths]
     out = []
+    if appended := [r.log.name for r in reports if r.earlier_runs]:
+        runs = max(r.earlier_runs for r in reports)
+        out.append(
+            f"{', '.join(appended)} also hold {runs} earlier run{'s' if runs > 1 else ''} (the launcher appends to a "
+            "reused --log_dir): ignored, only the last run of each file is read"
+        )
     for r in reports:
         who = f"rank {r.rank}" if r.rank is not None else "rank ?"
         named = f"  {r.failure.name}" if r.failure else ""

@@ -39,6 +39,8 @@ def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup
 
 RESUME_FIX = "pass another --output-dir, or --overwrite to start afresh"
 RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels")  # a resume must keep these flags
+# a resume may change these; the learning-rate schedule is then planned anew from the checkpoint's step (replan)
+SCHEDULE_KEYS = ("epochs", "warmup_epochs", "lr", "lr_schedule", "lr_scaling", "reference_batch")
 
 
 def check_resumable(saved: dict, cfg: Config, path: Path) -> None:
@@ -73,8 +75,9 @@ class TrainState:
     every rank's batch norm statistics when the checkpoint was a stop's.
     """
 
-    def __init__(self, cfg: Config, model, opt, sched, scaler, ema: WeightAverage | None):
+    def __init__(self, cfg: Config, model, opt, sched, scaler, ema: WeightAverage | None, planned_steps: int = 0):
         self.cfg, self.model, self.opt, self.sched, self.scaler, self.ema = cfg, model, opt, sched, scaler, ema
+        self.planned_steps = planned_steps  # the schedule's length: --epochs x steps per epoch
         self.epoch = self.batch_in_epoch = self.step = 0
         self.trained_before = 0.0  # seconds of training in earlier sessions of this run
         self.best: dict | None = (
@@ -94,7 +97,30 @@ class TrainState:
         planned = cfg.epochs * steps_per_epoch
         opt, sched = make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
         ema = WeightAverage(model, build_model(cfg.model, num_classes, image_shape), cfg.ema) if cfg.ema else None
-        return cls(cfg, model, opt, sched, make_scaler(cfg), ema)
+        return cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned)
+
+    def replan(self, saved: dict) -> str | None:
+        """After restore: when the checkpoint's config planned its schedule with other SCHEDULE_KEYS (a finished
+        run extended with a larger --epochs), the schedule is this run's plan from the step reached, and the
+        learning rate of the next step is the new plan's (the checkpoint's would otherwise serve one more step).
+        The line that says so and what the rate does; None when the plan is the checkpoint's."""
+        changed = [k for k in SCHEDULE_KEYS if k in saved and saved[k] != getattr(self.cfg, k)]
+        if not changed:
+            return None
+        before = float(self.sched.last_lr)
+        self.sched.step(self.step)  # recomputes the rate at this step from the plan built for this run's flags
+        after, end = float(self.sched.last_lr), self.planned_steps
+        flags = ", ".join(f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (was {saved[k]})" for k in changed)
+        if self.step >= end:
+            then = f"the new plan ended at step {end}: nothing is left to train"
+        elif self.cfg.lr_schedule == "poly":
+            then = f"it decays linearly to 0 at step {end}"
+        else:
+            then = "it stays there"
+        return (
+            f"schedule re-planned from step {self.step} over {self.cfg.epochs} epochs ({end} steps), for {flags}: "
+            f"the learning rate goes from {before:.5g} to {after:.5g} and {then}"
+        )
 
     @property
     def scored(self) -> paddle.nn.Layer:

@@ -147,6 +147,25 @@ def test_bad_layouts_are_refused_with_one_line(tmp_path, fashion, case):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_the_training_split_itself_is_told_to_pass_its_parent(tmp_path, fashion):
+    """--data-dir my_images/train: the fix is the parent folder, not my_images/train/train/<class name>/."""
+    root = make_folder(tmp_path / "my_images", fashion, train=2)
+    shutil.copytree(root / "train", tmp_path / "digits")  # the split under another name: its class folders tell
+    for given, why in ((root / "train", "it is named train/"), (tmp_path / "digits", "holds images such as")):
+        with pytest.raises(DataError) as e:
+            folder.list_folder(given)
+        message = str(e.value)
+        assert why in message and message.endswith(f"pass the folder that holds train/: --data-dir {given.parent}")
+        assert "train/train" not in message and "\n" not in message
+
+
+def test_classes_are_numbered_by_label_in_one_short_line():
+    assert folder.numbered(("eight", "five", "zero")) == "0=eight, 1=five, 2=zero"
+    many = folder.numbered(tuple(f"c{i:03}" for i in range(1000)))
+    first = ", ".join(f"{i}=c{i:03}" for i in range(10))
+    assert many == f"{first}, ... 988 more ..., 998=c998, 999=c999"
+
+
 def _vanishing(monkeypatch, files: list[Path], folders: list[Path]) -> None:
     """os.scandir as it is when other programs remove things while the dataset is listed: each of files is
     removed right after scandir has returned its entry (before it is stat'ed), each of folders right before it is
@@ -503,6 +522,9 @@ def runs(tmp_path_factory, fashion):
 def test_two_workers_equal_one_process_on_a_folder(runs):
     logs = [worker_log(runs / "log", r) for r in (0, 1)]
     assert "decoding 360 images" in logs[0] and "decoding" not in logs[1]  # rank 0 built, rank 1 waited
+    for log in logs:  # the label of each class, once, at start-up
+        named = "classes (4, labels by sorted folder name): 0=Ankle boot ü, 1=Sandalé, 2=T-shirt top, 3=Trouser;"
+        assert log.count(named) == 1, log
     assert "decoding" not in (runs / "one.log").read_text()  # the cache was fresh
     assert param_digest(logs[0]) == param_digest(logs[1])
     one, two = weights(runs / "one" / "model.pdparams"), weights(runs / "two" / "model.pdparams")
@@ -570,6 +592,19 @@ def test_bad_folder_through_the_command(tmp_path, fashion, breaks, message):
     (line,) = _error_lines(proc.stdout + proc.stderr)
     assert message in line and "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists() and not (root / folder.CACHE_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_small_folder_is_told_the_batch_size_that_fits_and_not_to_raise_a_train_limit_it_never_set(tmp_path, fashion):
+    """40 images, 4 held out (--val-split 0.1): 36 train, fewer than the default global batch of 64."""
+    root = make_folder(tmp_path / "d", fashion, train=10)
+    proc = run_single(["--dataset", "folder", "--data-dir", str(root), "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = _error_lines(proc.stdout + proc.stderr)
+    assert line.endswith(
+        "the training split has 36 images, fewer than one global batch of 64: pass --batch-size 36 or less"
+    )
+    assert "--train-limit" not in line and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -133,6 +133,36 @@ def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
 
 
 @pytest.mark.slow
+def test_a_reused_log_dir_is_read_for_its_last_run_only(tmp_path, data_dir):
+    """The launcher appends each run to the workerlog.N of the runs before it. A run refused at once, then one that
+    finishes: the summary is the finished one's, and says the earlier run was ignored; a third, refused, is the
+    one read. The finished run's logs start with the trainer's own lines: Paddle's notes are quieted."""
+    args = [*ARGS, "--data-dir", str(data_dir), "--train-limit", "256", "--epochs", "1", "--output-dir"]
+    launcher = ["paddle.distributed.launch", "--nproc_per_node", "2"]
+    for n, run_args in enumerate(([*args, str(tmp_path / "o"), "--lr", "-1"], [*args, str(tmp_path / "o")]), 1):
+        with reaped(start(launcher, run_args, tmp_path)) as job:
+            assert job.wait(timeout=300) == (2 if n == 1 else 0), (tmp_path / "launcher.out").read_text()
+    summary = summarise(tmp_path / "log")
+    assert summary.splitlines()[0] == (
+        "workerlog.0, workerlog.1 also hold 1 earlier run (the launcher appends to a reused --log_dir): ignored, "
+        "only the last run of each file is read"
+    ), summary
+    assert "rank 0   finished" in summary and "rank 1   finished" in summary and "error" not in summary, summary
+    for rank in (0, 1):
+        lines = (tmp_path / "log" / f"workerlog.{rank}").read_text().splitlines()
+        starts = [i for i, line in enumerate(lines) if f"[rank {rank}/2] started: " in line]
+        assert len(starts) == 2 and str(TRAIN_PY) in lines[starts[1]], lines
+        # nothing between the start and the first line of training: no ccache note, FLAGS banner or glog INFO
+        assert f"[rank {rank}/2] rank {rank} of world size 2" in lines[starts[1] + 1], lines[starts[1] :]
+        assert not [line for line in lines[starts[1] :] if "UserWarning" in line or line.startswith("I")], lines
+    with reaped(start(launcher, [*args, str(tmp_path / "o2"), "--lr", "-1"], tmp_path)) as job:
+        assert job.wait(timeout=300) == 2
+    summary = summarise(tmp_path / "log")
+    assert "also hold 2 earlier runs" in summary and "rank 0   error" in summary, summary
+    assert "--lr must be positive, got -1.0" in summary, summary
+
+
+@pytest.mark.slow
 def test_port_already_in_use(tmp_path, data_dir):
     """--start_port fixes the workers' ports; the first is rank 0's key-value store, and this test holds it."""
     with socket.socket() as held:

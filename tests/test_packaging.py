@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO
 
 COMMANDS = {  # command -> the module that `python -m` runs for the same job
-    "paddle-mnist-train": "paddle_mnist.cli",
+    "paddle-mnist-train": "paddle_mnist.start",
     "paddle-mnist-predict": "paddle_mnist.predict",
     "paddle-mnist-logs": "paddle_mnist.logs",
     "paddle-mnist-download": "paddle_mnist.download",

@@ -22,6 +22,7 @@ from helpers import (
     explain,
     launch_env,
     make_dataset,
+    read_metrics,
     read_results,
     reaped,
     run_launch,
@@ -118,6 +119,26 @@ def test_resume_auto_starts_fresh_when_there_is_no_checkpoint(tmp_path):
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
     assert "resumed from" not in worker_log(tmp_path / "log", 0)
     assert (tmp_path / "o" / "model.pdparams").is_file()
+
+
+def test_a_finished_run_resumed_with_more_epochs_says_its_schedule_is_re_planned(tmp_path, dataset):
+    """One epoch of 8 steps decays the rate to 0; --epochs 2 on resume plans 16 steps from step 8: the rate goes
+    back to half of --lr 0.02, and one line says so. Resumed again with the same flags, the plan is kept."""
+    args = [*ARGS, "--data-dir", str(dataset), "--train-limit", "512", "--output-dir", str(tmp_path / "o")]
+    first = run_single([*args, "--epochs", "1"], cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    more = run_single([*args, "--epochs", "2", "--resume"], cwd=tmp_path)
+    assert more.returncode == 0, explain(more)
+    said = [line.split("] ", 1)[1] for line in more.stdout.splitlines() if "re-planned" in line]
+    assert said == [
+        "schedule re-planned from step 8 over 2 epochs (16 steps), for --epochs 2 (was 1): the learning rate goes "
+        "from 0 to 0.01 and it decays linearly to 0 at step 16"
+    ], more.stdout
+    assert [row["epoch"] for row in read_metrics(tmp_path / "o")] == [1, 2] and read_results(tmp_path / "o")[
+        "steps"
+    ] == 16
+    same = run_single([*args, "--epochs", "2", "--resume"], cwd=tmp_path)
+    assert same.returncode == 0 and "re-planned" not in same.stdout, explain(same)
 
 
 def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):

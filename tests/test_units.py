@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import io
+import sys
 import types
 
 import numpy as np
@@ -11,7 +13,7 @@ import paddle
 import pytest
 from helpers import REPO, idx_bytes, make_dataset, write_idx
 
-from paddle_mnist import config, data, formats
+from paddle_mnist import config, data, distributed, formats, start
 from paddle_mnist.models import MODELS, MnistCNN, count_parameters
 
 
@@ -237,3 +239,23 @@ def test_shift_zero_leaves_only_flips():
 def test_datasets_are_read_from_the_checkouts_data_folder():
     """Run from a checkout (pyproject.toml beside the package), the default is the shipped data/ there."""
     assert data.REPO_DATA == REPO / "data" and (data.REPO_DATA / "fashion-mnist" / data.SUMS).is_file()
+
+
+def test_paddles_log_level_is_quieted_unless_the_user_chose_one():
+    for given, level in (({}, "1"), ({"GLOG_minloglevel": "0"}, "0"), ({"GLOG_v": "3"}, None)):
+        environ = dict(given)
+        start.quiet_paddle(environ)
+        assert environ.get("GLOG_minloglevel") == level, given
+    assert start.announce({}, ["train.py"]) is None  # not launched: no worker log to mark
+    line = start.announce({"PADDLE_TRAINER_ID": "1", "PADDLE_TRAINERS_NUM": "2"}, ["train.py", "--epochs", "1"])
+    assert line.endswith("[rank 1/2] started: " + " ".join([sys.executable, "train.py", "--epochs", "1"]))
+
+
+def test_the_flags_banner_is_dropped_unless_it_names_a_flag_the_user_set():
+    banner = [f"{distributed.BANNER} ===\n", "FLAGS(name='FLAGS_enable_pir_in_executor', ...)", "\n", "=" * 71 + "\n"]
+    for user, kept in ((set(), False), ({"FLAGS_check_nan_inf"}, False), ({"FLAGS_enable_pir_in_executor"}, True)):
+        out = io.StringIO()
+        filtered = distributed._BannerFilter(out, user)
+        for text in ["before\n", *banner, "after\n"]:
+            filtered.write(text)
+        assert out.getvalue() == "before\n" + ("".join(banner) if kept else "") + "after\n"

@@ -1,0 +1,50 @@
+"""The trainer's entry point: Paddle's start-up notes kept out of the workers' logs, a first line, then cli.main.
+
+Paddle reads its C++ log level (glog's GLOG_minloglevel) once, when its library loads, and warns that ccache is
+missing while it imports; so this module loads no Paddle, and imports the command line (which does) only once the
+settings are in place. A setting the user made is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import time
+import warnings
+from collections.abc import Mapping, MutableMapping
+
+# Python warnings Paddle gives every run, which say nothing about it
+PADDLE_NOTES = (
+    "No ccache found",  # about building C++ extensions, which training never does
+    "When training, we now always track global mean and variance",  # each batch norm layer, at its first step
+)
+
+
+def quiet_paddle(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Hide glog's INFO lines (the key-value store's "create libuv server", "Successfully connected to ...") and
+    Paddle's notes. Warnings, errors and fatal messages still print. GLOG_v (verbose logs, written at INFO level)
+    or a GLOG_minloglevel of the user's leaves the level alone."""
+    if "GLOG_minloglevel" not in environ and "GLOG_v" not in environ:
+        environ["GLOG_minloglevel"] = "1"
+    for note in PADDLE_NOTES:
+        warnings.filterwarnings("ignore", message=note)
+
+
+def announce(environ: Mapping[str, str], argv: list[str]) -> str | None:
+    """A launched worker's first line, before Paddle loads: the launcher appends a run to the worker logs of an
+    earlier one when --log_dir is reused, and this line is where python -m paddle_mnist.logs finds each run's
+    start (logs.RUN_START), even for a run that died before its first line of training. None outside a launch."""
+    if "PADDLE_TRAINER_ID" not in environ:
+        return None
+    tag = f"rank {environ['PADDLE_TRAINER_ID']}/{environ.get('PADDLE_TRAINERS_NUM', '?')}"
+    return f"{time.strftime('%H:%M:%S')} [{tag}] started: {shlex.join([sys.executable, *argv])}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_paddle()
+    if line := announce(os.environ, sys.argv if argv is None else [sys.argv[0], *argv]):
+        print(line, flush=True)
+    from .cli import main as run  # here, not above: importing cli loads Paddle, which must find the settings made
+
+    return run(argv)
