@@ -309,8 +309,8 @@ def test_the_docs_hold_python_snippets_to_check():
 @pytest.mark.slow
 @pytest.mark.parametrize("page,index,block", SNIPPETS, ids=[f"{n}-{i}" for n, i, _ in SNIPPETS])
 def test_every_python_snippet_in_the_docs_runs_on_a_trained_run(trained, onnx_ready, page, index, block):
-    """Each snippet runs as written in a folder holding output/ (a real run), shoe.png, shirt.png and data/samples/; where it
-    prints a class for an image, that is the Predictor's class for it."""
+    """Each snippet runs as written in a folder outside the clone holding output/ (a real run) and data/samples/;
+    where it prints a class for an image, that is the Predictor's class for it."""
     root, _ = trained
     if "onnxruntime" in block:
         onnx_ready()
