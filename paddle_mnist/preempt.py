@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shlex
@@ -72,6 +73,7 @@ class StopSignals:
     def watch_launcher(self) -> StopSignals:
         """A SIGTERM when the launcher that started this worker dies, logged as such (orphan.py). After install()."""
         launcher = Launcher()
+        _launcher_command()  # while the launcher lives: the resume command names it
         if launcher.end_with_it():
             self.launcher = launcher
         return self
@@ -114,6 +116,7 @@ class StopSignals:
         os._exit(exit_code(signum))
 
 
+@functools.cache  # read once, at start-up (watch_launcher): a launcher that died has no command line to read
 def _launcher_command() -> list[str] | None:
     """The command line of the paddle.distributed.launch that started this worker, if one did."""
     try:
