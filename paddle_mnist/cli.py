@@ -239,7 +239,7 @@ def run(
             for _ in epoch:
                 session.after_step(epoch.loss_sum)
             session.average_statistics()
-            val = engine.evaluate(state.scored, val_split, ds, cfg, env)
+            val = engine.evaluate(state.scored, val_split, ds, cfg, env, session.dog.alive)
             if session.end_epoch(epoch.stats, val):
                 break
     return _finish(cfg, env, log, state, files, session, ds, test, val)
@@ -343,6 +343,7 @@ def _run_command(argv: list[str] | None) -> int:
     # worker has been seen to hang in it without printing a line: then this line is all the log says of the signal.
     faulthandler.enable(all_threads=True)
     stop = StopSignals().install()  # then take SIGTERM/SIGINT over: Paddle's import installed handlers that abort
+    stop.watch_launcher()  # and a SIGTERM if the launcher dies: its workers run in sessions of their own
     try:
         cfg = parse_args(argv)
         env = distributed.setup()

@@ -104,7 +104,7 @@ class Config:
     keep_checkpoints: int = 3
     log_every: int = 50
     visualdl: bool = False  # VisualDL scalars in OUTPUT_DIR/visualdl (the optional visualdl package)
-    collective_timeout: float = 300.0
+    collective_timeout: float | None = None  # None: the backend's default (watchdog.timeout_for)
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
     timing_every: int = 25  # time the phases of every Nth step (0: off)
     profile_steps: str = ""  # "A:B": record optimizer steps A to B with paddle.profiler ("": off)
@@ -315,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--collective-timeout",
         type=float,
         default=d.collective_timeout,
-        help="seconds without progress before waiting workers exit, naming the one that stalled (0: wait forever)",
+        help="seconds without progress before waiting workers exit, naming the one that stalled (0: no "
+        "watchdog; None: 15 on CPU, where gloo aborts a collective that waited 30 s without naming anyone and "
+        "Paddle cannot change that, so the watchdog must come first; 300 on GPUs, where NCCL waits without end)",
     )
     _add_count(p, "--cpu-threads", "CPU math threads per worker (0: cores / workers on this node)")
     _add_count(
@@ -460,6 +462,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
         )
     if cfg.accum_steps == 0 or cfg.reference_batch == 0:
         raise ConfigError("--accum-steps and --reference-batch must be at least 1")
+    if cfg.collective_timeout is not None and cfg.collective_timeout < 0:
+        raise ConfigError(f"--collective-timeout is in seconds: 0 (no watchdog) or more; got {cfg.collective_timeout}")
     if cfg.clip_grad_norm < 0:
         raise ConfigError(f"--clip-grad-norm is a norm: above 0, or 0 for no clipping; got {cfg.clip_grad_norm}")
     profile_window(cfg.profile_steps)

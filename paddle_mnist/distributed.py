@@ -14,7 +14,7 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from . import safeload
+from . import preflight, safeload
 
 GPU_FLAG = re.compile(r"^--(selected_gpus|gpus|devices)(=.*)?$")
 
@@ -174,6 +174,8 @@ def setup() -> DistEnv:
         if problem:
             raise LaunchError(problem)
     if world > 1:
+        if not use_gpu and (problem := preflight.startup_problem(os.environ)):
+            raise LaunchError(problem)  # gloo would fail to connect, after a timeout on some machines
         with _flags_banner_dropped(os.environ):
             dist.init_parallel_env()
         rank, world = dist.get_rank(), dist.get_world_size()

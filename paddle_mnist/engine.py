@@ -6,7 +6,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -267,8 +267,18 @@ def check_weights(state) -> None:
 
 
 @paddle.no_grad()
-def evaluate(model: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, env: DistEnv) -> EvalStats:
-    """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once."""
+def evaluate(
+    model: paddle.nn.Layer,
+    split: data.Split,
+    ds: data.Dataset,
+    cfg: Config,
+    env: DistEnv,
+    alive: Callable[[], None] | None = None,
+) -> EvalStats:
+    """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once.
+
+    alive: called after every batch (the watchdog's, so that a long evaluation is not taken for a hang).
+    """
     net = unwrap(model)
     net.eval()
     shard = data.eval_shard(len(split), env.rank, env.world_size)
@@ -285,5 +295,7 @@ def evaluate(model: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: C
             float(F.cross_entropy(logits, y, reduction="sum")),
             len(idx),
         )
+        if alive is not None:
+            alive()
     correct, loss_sum, count = all_reduce_sum(sums, env)
     return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shlex
@@ -12,6 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from .orphan import Launcher
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Paddle's launcher passes SIGTERM on up to three times, 0.2 s apart (further apart on a loaded machine: a run
@@ -54,6 +57,7 @@ class StopSignals:
         self.signum = 0
         self.log = log
         self.on_abort: list[Callable[[], None]] = []
+        self.launcher: Launcher | None = None
         self._first_at: float | None = None
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
@@ -66,6 +70,14 @@ class StopSignals:
         threading.Thread(target=self._listen, name="stop-signals", daemon=True).start()
         return self
 
+    def watch_launcher(self) -> StopSignals:
+        """A SIGTERM when the launcher that started this worker dies, logged as such (orphan.py). After install()."""
+        launcher = Launcher()
+        _launcher_command()  # while the launcher lives: the resume command names it
+        if launcher.end_with_it():
+            self.launcher = launcher
+        return self
+
     def _listen(self) -> None:
         while True:
             for signum in self._reader.recv(64):
@@ -75,8 +87,19 @@ class StopSignals:
     def _received(self, signum: int, now: float) -> None:
         if self._first_at is None:
             self._first_at, self.signum = now, signum
+            if signum == signal.SIGTERM and self.launcher is not None and self.launcher.gone():
+                self._say(self.launcher.describe())
         elif now - self._first_at > SAME_REQUEST_S:
             self._abort(signum)
+
+    def _say(self, message: str) -> None:
+        """One warning line in this worker's log (on stderr before the log exists), written out at once."""
+        if self.log is not None:
+            self.log.warning(message)
+            for handler in self.log.handlers:
+                handler.flush()
+        else:
+            print(message, file=sys.stderr, flush=True)
 
     def _abort(self, signum: int) -> None:
         message = (
@@ -84,12 +107,7 @@ class StopSignals:
             f"the newest complete checkpoint is intact (a write under way is dropped); continue with "
             f"{resume_command()}"
         )
-        if self.log is not None:
-            self.log.warning(message)
-            for handler in self.log.handlers:
-                handler.flush()
-        else:
-            print(message, file=sys.stderr, flush=True)
+        self._say(message)
         for release in self.on_abort:
             try:
                 release()
@@ -98,6 +116,7 @@ class StopSignals:
         os._exit(exit_code(signum))
 
 
+@functools.cache  # read once, at start-up (watch_launcher): a launcher that died has no command line to read
 def _launcher_command() -> list[str] | None:
     """The command line of the paddle.distributed.launch that started this worker, if one did."""
     try:

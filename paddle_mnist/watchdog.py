@@ -6,6 +6,12 @@ main thread waits in an all-reduce for a worker that was stopped (SIGSTOP), hung
 main thread has made no progress for --collective-timeout seconds, a second thread reads every rank's
 heartbeat twice, names the ranks whose heartbeat stood still, logs one error line and exits the process,
 so the launcher ends the job instead of waiting forever.
+
+The default timeout follows the backend. On CPU, gloo ends a collective that waited 30 s by aborting the process
+(SIGABRT, naming no rank), and Paddle gives no way to change that: ProcessGroupGloo.create takes no timeout and
+the gloo context it builds keeps gloo's default. So on gloo the watchdog must act first: after 15 s, it names the
+quiet rank 18 to 20 s after the last progress. NCCL (GPU) waits without end (PADDLE_PG_TIMEOUT only makes
+Paddle's optional task tracer log): there the watchdog is the only end, after 300 s.
 """
 
 from __future__ import annotations
@@ -20,11 +26,38 @@ from .distributed import DistEnv, job_store
 
 PREFIX = "paddle_mnist/watchdog"
 EXIT_CODE = 3
+GLOO_TIMEOUT_S = 30.0  # gloo's kTimeoutDefault (gloo/context.cc), which Paddle never changes
+# Acting takes up to an interval, naming the quiet rank 3 more, and a store that hangs (rank 0 stopped) 3 more
+# before rank 0 is blamed: 15 s puts the verdict 18 to 22 s after the last progress, 8 s or more ahead of gloo.
+GLOO_DEFAULT_S = 15.0
+NCCL_DEFAULT_S = 300.0
+ASK_INTERVALS = 3  # how long the verdict may wait for the store before blaming rank 0, which hosts it
+
+
+def timeout_for(requested: float | None, backend: str) -> float:
+    """--collective-timeout as given, or the backend's default when it was not."""
+    if requested is not None:
+        return requested
+    return GLOO_DEFAULT_S if backend == "gloo" else NCCL_DEFAULT_S
+
+
+def timeout_problem(timeout: float, backend: str) -> str | None:
+    """Why this --collective-timeout cannot name a stalled rank on this backend, or None."""
+    if backend != "gloo" or 0 < timeout <= GLOO_DEFAULT_S + 5:
+        return None
+    asked = "0 (wait forever)" if timeout == 0 else f"{timeout:g}"
+    return (
+        f"warning: --collective-timeout {asked}: on CPU gloo aborts a collective that waited {GLOO_TIMEOUT_S:.0f} s "
+        f"(SIGABRT, naming no rank) and Paddle cannot change that, so a stopped worker ends the job that way "
+        f"before the watchdog names it; leave the default ({GLOO_DEFAULT_S:.0f} s) or pass at most "
+        f"{GLOO_DEFAULT_S + 5:.0f}"
+    )
 
 
 class Watchdog:
-    def __init__(self, env: DistEnv, timeout: float, log: logging.Logger, interval: float = 1.0):
-        self.env, self.timeout, self.log, self.interval = env, timeout, log, interval
+    def __init__(self, env: DistEnv, timeout: float | None, log: logging.Logger, interval: float = 1.0):
+        self.env, self.log, self.interval = env, log, interval
+        self.timeout = timeout_for(timeout, env.backend)
         self.step = 0
         self._published = 0
         self._last = time.monotonic()
@@ -33,6 +66,9 @@ class Watchdog:
         self._store = None
 
     def __enter__(self) -> Watchdog:
+        problem = timeout_problem(self.timeout, self.env.backend)
+        if problem and self.env.world_size > 1 and self.env.is_main:
+            self.log.warning(problem)
         if self.env.world_size > 1 and self.timeout > 0:
             self._store = job_store()
             self._last = time.monotonic()
@@ -50,6 +86,10 @@ class Watchdog:
     def progress(self, step: int) -> None:
         """Called by the training loop whenever it gets past a point all workers must reach."""
         self.step = step
+        self._last = time.monotonic()
+
+    def alive(self) -> None:
+        """Called inside long work every rank does alike (an evaluation): progress, though no step was trained."""
         self._last = time.monotonic()
 
     def _key(self, what: str, rank: int) -> str:
@@ -74,7 +114,7 @@ class Watchdog:
                 found: list[str] = []
                 asking = threading.Thread(target=self._who_is_quiet, args=(found,), daemon=True)
                 asking.start()
-                asking.join(10 * self.interval)
+                asking.join((3 + ASK_INTERVALS) * self.interval)
                 cause = found[0] if found else "rank 0, which hosts the job's key-value store, stopped answering"
                 self._exit(f"no progress for {self.timeout:.0f} s (--collective-timeout) at step {self.step}: {cause}")
 

@@ -19,6 +19,7 @@ COMMANDS = {  # command -> the module that `python -m` runs for the same job
     "paddle-mnist-logs": "paddle_mnist.logs",
     "paddle-mnist-download": "paddle_mnist.download",
     "paddle-mnist-export": "paddle_mnist.export",
+    "paddle-mnist-preflight": "paddle_mnist.preflight",
 }
 
 
