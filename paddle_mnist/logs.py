@@ -1,9 +1,11 @@
-"""Summarise a launcher's log directory: each rank's progress and status, the first failure, its likely cause and fix.
+"""Summarise a job's worker logs: each rank's progress and status, the first failure, its likely cause and fix.
 
 python -m paddle_mnist.logs log [launcher.out]
+python -m paddle_mnist.logs log-0 log-1 [launcher-0.out launcher-1.out]    # one --log_dir per machine
 
 A pure reader, like plots.py: it reads the workerlog.N files (and, if given, the launcher's own output, where
-Paddle prints exit codes and ABORT!!! lines) and imports nothing from training.
+Paddle prints exit codes and ABORT!!! lines) and imports nothing from training. Every machine numbers its files
+from workerlog.0, so ranks are told apart by the global rank in their lines' tags, never by the file's number.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 PROGRESS = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) done")
-TAG = re.compile(r"\[rank (\d+)/\d+\]")
+TAG = re.compile(r"\[rank (\d+)/(\d+)\]")  # global rank / world size
 WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 MEMORY = re.compile(r"memory (\d+) MiB")
 # A run's first line in a worker log (start.announce), before Paddle loads; in logs from before it, the first line
@@ -28,7 +30,8 @@ PY_TRACEBACK = re.compile(r"^Traceback \(most recent call last\):$", re.M)  # no
 # The last words of a process that C++ or a signal ends: Paddle's handler, an uncaught C++ exception, the
 # trainer's faulthandler ("Fatal Python error: Bus error")
 FATAL = re.compile(r"^(FatalError: |terminate called |  what\(\): |Fatal Python error: )|Assertion `.*' failed")
-CONTAINER = re.compile(r"Container rank (\d+) status (\w+) cmd .* code (-?\d+)")  # paddle.distributed.launch
+# paddle.distributed.launch; its rank is the worker's index on that machine (workerlog.N's N), the log its file
+CONTAINER = re.compile(r"Container rank (\d+) status (\w+) cmd .* code (-?\d+)(?: log (\S+))?")
 ABORT = re.compile(r"ABORT!!! Out of all \d+ trainers, the trainer process with rank=\[([\d, ]*)\] was aborted")
 
 
@@ -162,6 +165,10 @@ KILLED = Failure(
 )
 
 
+class LogsError(ValueError):
+    """Logs that cannot be read as one job's: the message names the files and what to pass instead."""
+
+
 @dataclass(frozen=True)
 class RankReport:
     log: Path
@@ -176,6 +183,9 @@ class RankReport:
     memory_mb: int | None = None  # the last memory figure it logged
     last_line: str = ""
     earlier_runs: int = 0  # runs before the last in the same file, left unread
+    world: int | None = None  # the job's world size from the lines' tags
+    source: str = ""  # how the summary names the file: workerlog.N, or DIR/workerlog.N when several DIRs are read
+    fallback_rank: int | None = None  # the rank assumed when no line carries one (see read_rank)
 
 
 def known_failure(lines: list[str]) -> tuple[Failure | None, tuple[str, ...]]:
@@ -197,10 +207,12 @@ def last_run(text: str) -> tuple[str, int]:
     return text, 0
 
 
-def read_rank(path: Path) -> RankReport:
+def read_rank(path: Path, source: str | None = None) -> RankReport:
+    """One worker log's last run. source names the file when several machines' directories are read: every machine
+    numbers its files from 0, so the file's number is then no guess at its rank."""
     text, earlier = last_run(path.read_text(errors="replace").replace("\0", ""))
     lines = text.splitlines()
-    ranks = [int(m.group(1)) for m in map(TAG.search, lines) if m]
+    tags = [m for m in map(TAG.search, lines) if m]
     where = "before the first step"
     for line in lines:
         if m := PROGRESS.search(line):
@@ -224,9 +236,27 @@ def read_rank(path: Path) -> RankReport:
         status, message = "crashed", "\n".join(fatal)  # Paddle's C++ aborts and signals: no Python traceback
     memory = [int(m.group(1)) for m in map(MEMORY.search, lines) if m]
     last = next((line.strip() for line in reversed(lines) if line.strip()), "")
-    rank, memory_mb = ranks[-1] if ranks else None, memory[-1] if memory else None
-    mtime = path.stat().st_mtime
-    return RankReport(path, rank, status, where, message, mtime, failure, evidence, memory_mb, last, earlier)
+    rank, world = (int(tags[-1].group(1)), int(tags[-1].group(2))) if tags else (None, None)
+    return RankReport(
+        path,
+        rank,
+        status,
+        where,
+        message,
+        path.stat().st_mtime,
+        failure,
+        evidence,
+        memory[-1] if memory else None,
+        last,
+        earlier,
+        world,
+        source or path.name,
+        _number(path) if source is None else None,
+    )
+
+
+def _number(workerlog: Path) -> int:
+    return int(workerlog.name.rsplit(".", 1)[1])
 
 
 def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankReport, list[str]]:
@@ -247,8 +277,13 @@ def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankR
     return min(candidates, key=lambda r: r.mtime), pointers
 
 
-def _rank_of(r: RankReport) -> int:
-    return r.rank if r.rank is not None else int(r.log.name.rsplit(".", 1)[1])
+def _rank_of(r: RankReport) -> int | None:
+    return r.rank if r.rank is not None else r.fallback_rank
+
+
+def _who(r: RankReport) -> str:
+    n = _rank_of(r)
+    return f"rank {n}" if n is not None else "rank ?"
 
 
 def _short(line: str) -> str:
@@ -258,63 +293,132 @@ def _short(line: str) -> str:
     return line.strip()
 
 
+def _about(line: str, r: RankReport) -> bool:
+    """Whether a launcher line may be about this worker: a Container line names the worker's index on its machine
+    and its log file, which tells the machines apart by the directory's name (the same file here, or a copy)."""
+    m = CONTAINER.search(line)
+    if not m:
+        return True
+    if int(m.group(1)) != _number(r.log):
+        return False
+    if m.group(4) is None:
+        return True
+    named = Path(m.group(4))
+    if named.exists() and r.log.exists():
+        return named.resolve() == r.log.resolve()
+    return named.parts[-2:] == r.log.resolve().parts[-2:]
+
+
 def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> tuple[Failure, list[str]] | None:
     """The known failure behind the first rank's end, and its evidence (lines, each with where it came from)."""
     if first.failure is PORT:
-        return PORT, [f"{first.log.name}: {line}" for line in first.evidence] + _ports(first.log)
+        return PORT, [f"{first.source}: {line}" for line in first.evidence] + _ports(first)
     if first.failure is not None:
-        return first.failure, [f"{first.log.name}: {line}" for line in first.evidence]
+        return first.failure, [f"{first.source}: {line}" for line in first.evidence]
     if first.status not in ("stopped", "crashed"):
         return None
     # silent: another rank's watchdog may have seen it go quiet; otherwise something killed it from outside
-    quiet = re.compile(rf"rank {_rank_of(first)} \(last seen at step \d+\)")
-    for r in reports:
-        for line in r.evidence if r.failure is WATCHDOG else ():
-            if quiet.search(line):
-                return WATCHDOG, [f"{r.log.name}: {line}"]
+    if (n := _rank_of(first)) is not None:
+        quiet = re.compile(rf"rank {n} \(last seen at step \d+\)")
+        for r in reports:
+            for line in r.evidence if r.failure is WATCHDOG else ():
+                if quiet.search(line):
+                    return WATCHDOG, [f"{r.source}: {line}"]
     if first.status == "stopped":
-        n = _rank_of(first)
-        said = [
-            f"launcher: {_short(line)}"
-            for line in launcher
-            if KILLED.pattern.search(line) and not ((m := CONTAINER.search(line)) and int(m.group(1)) != n)
-        ]
-        return KILLED, [f"{first.log.name} ends with: {first.last_line}", *said[-2:]]
+        said = [f"launcher: {_short(line)}" for line in launcher if KILLED.pattern.search(line) and _about(line, first)]
+        return KILLED, [f"{first.source} ends with: {first.last_line}", *said[-2:]]
     return None
 
 
-def _ports(workerlog: Path) -> list[str]:
+def _ports(first: RankReport) -> list[str]:
     """The key-value store's address that the launcher gave the worker's last run, from its envlog.N: Paddle 3
     names the port only in an INFO line, which the trainer hides (start.quiet_paddle)."""
-    envlog = workerlog.with_name(workerlog.name.replace("workerlog", "envlog"))
+    envlog = first.log.with_name(first.log.name.replace("workerlog", "envlog"))
     found = MASTER.findall(envlog.read_text(errors="replace")) if envlog.is_file() else []
-    return [f"{envlog.name}: PADDLE_MASTER={found[-1]} (rank 0's key-value store)"] if found else []
+    named = first.source.replace("workerlog", "envlog")
+    return [f"{named}: PADDLE_MASTER={found[-1]} (rank 0's key-value store)"] if found else []
 
 
-def summarise(log_dir: Path, launcher_output: list[Path] | None = None) -> str:
-    paths = sorted((p for p in Path(log_dir).iterdir() if WORKERLOG.match(p.name)), key=lambda p: int(p.suffix[1:]))
-    if not paths:
-        return f"{log_dir}: no workerlog.N files; pass the launcher's --log_dir"
+def read_dirs(log_dirs: list[Path]) -> list[RankReport]:
+    """Every worker log in these directories (one per machine), in the order of their global ranks."""
+    several = len(log_dirs) > 1
+    reports = []
+    for log_dir in log_dirs:
+        paths = sorted((p for p in log_dir.iterdir() if WORKERLOG.match(p.name)), key=_number)
+        if not paths:
+            raise LogsError(f"{log_dir}: no workerlog.N files; pass the launcher's --log_dir of each machine")
+        reports += [read_rank(p, f"{log_dir}/{p.name}" if several else None) for p in paths]
+    return sorted(reports, key=lambda r: (_rank_of(r) is None, _rank_of(r) or 0))
+
+
+def check_job(reports: list[RankReport], several: bool) -> str | None:
+    """Refuse logs of different jobs; say which of the job's ranks have no log here (they ran on machines whose
+    directories were not given), or None if every rank has one."""
+    sized = [r for r in reports if r.world is not None]
+    if other := [r for r in sized if r.world != sized[0].world]:
+        a, b = sized[0], other[0]
+        fix = (
+            "these directories hold different jobs; pass the log directories of one job, one per machine"
+            if several
+            else "a file left in a reused --log_dir by an earlier job of another size? move it away"
+        )
+        raise LogsError(f"{a.source} is from a job of {a.world} workers but {b.source} from one of {b.world}: {fix}")
+    claimed: dict[int, RankReport] = {}
+    for r in reports:
+        if r.rank is not None and (twin := claimed.setdefault(r.rank, r)) is not r:
+            raise LogsError(
+                f"{twin.source} and {r.source} both hold global rank {r.rank}: the same machine's logs given twice, "
+                "or directories of different runs; pass each machine's --log_dir of one job once"
+            )
+    if not sized or len(reports) >= sized[0].world:
+        return None
+    world, here = sized[0].world, "these directories hold" if several else "this directory holds"
+    missing = _spans(sorted(set(range(world)) - set(claimed)))
+    return (
+        f"the job has {world} ranks but {here} the logs of {len(reports)} ({missing} missing): the others ran on "
+        "other machines, whose log directories were not given, and the first rank to stop may be among them; pass "
+        "every machine's --log_dir: python -m paddle_mnist.logs DIR1 DIR2 ..."
+    )
+
+
+def _spans(ranks: list[int]) -> str:
+    """[1, 2, 3, 5] -> "ranks 1-3, 5"."""
+    runs: list[list[int]] = []
+    for n in ranks:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+    return f"{'ranks' if len(ranks) > 1 else 'rank'} {text}"
+
+
+def summarise(log_dirs: Path | list[Path], launcher_output: list[Path] | None = None) -> str:
+    """The summary of a job's logs: a launcher's --log_dir, or one per machine of a multi-machine job."""
+    dirs = [Path(log_dirs)] if isinstance(log_dirs, (str, Path)) else [Path(d) for d in log_dirs]
+    dirs = list({d.resolve(): d for d in dirs}.values())  # a directory named twice (log log/) is read once
+    reports = read_dirs(dirs)
+    missing = check_job(reports, len(dirs) > 1)
     launcher = [line for p in launcher_output or [] for line in p.read_text(errors="replace").splitlines()]
-    reports = [read_rank(p) for p in paths]
     out = []
-    if appended := [r.log.name for r in reports if r.earlier_runs]:
+    if appended := [r.source for r in reports if r.earlier_runs]:
         runs = max(r.earlier_runs for r in reports)
         out.append(
             f"{', '.join(appended)} also hold {runs} earlier run{'s' if runs > 1 else ''} (the launcher appends to a "
             "reused --log_dir): ignored, only the last run of each file is read"
         )
+    out += [missing] if missing else []
     for r in reports:
-        who = f"rank {r.rank}" if r.rank is not None else "rank ?"
         named = f"  {r.failure.name}" if r.failure else ""
-        out.append(f"{who:8} {r.status:9} {r.where:32} {r.log.name}{named}")
+        out.append(f"{_who(r):8} {r.status:9} {r.where:32} {r.source}{named}")
     if all(r.status == "finished" for r in reports):
         return "\n".join(out)
     first, pointers = first_failure(reports, launcher)
     out.append("")
     out += [f"the launcher: {line[line.index('ABORT!!!') :]}" for line in pointers[-1:]]
     at = first.where if first.where.startswith("before") else f"at {first.where}"
-    out.append(f"first to stop: rank {_rank_of(first)} ({first.log}), {at}:")
+    among = " of the ranks given (the job's first may be among the missing, see above)" if missing else ""
+    out.append(f"first to stop{among}: {_who(first)} ({first.log}), {at}:")
     out.append(
         first.message
         or "it ended without an error message: killed from outside (SIGKILL, out of memory) or still running"
@@ -330,19 +434,34 @@ def summarise(log_dir: Path, launcher_output: list[Path] | None = None) -> str:
     return "\n".join(out)
 
 
+USAGE = (
+    "usage: python -m paddle_mnist.logs LOG_DIR [LOG_DIR ...] [LAUNCHER_OUTPUT ...] (the launcher's --log_dir, one "
+    "per machine for a job on several, and files holding what the launcher itself printed, for its exit codes and "
+    "ABORT!!! lines)"
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    usage = (
-        "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...] (the launcher's --log_dir, and files "
-        "holding what the launcher itself printed, for its exit codes and ABORT!!! lines)"
-    )
     if args[:1] in (["-h"], ["--help"]):
-        print(usage)
+        print(USAGE)
         return 0
-    if not args or not Path(args[0]).is_dir() or not all(Path(a).is_file() for a in args[1:]):
-        print(usage, file=sys.stderr)
+    paths = [Path(a) for a in args]
+    if lost := [a for a, p in zip(args, paths) if not p.exists()]:
+        print(
+            f"error: {lost[0]} not found; pass the launcher's --log_dir (one per machine) and its output files",
+            file=sys.stderr,
+        )
         return 2
-    print(summarise(Path(args[0]), [Path(a) for a in args[1:]]))
+    dirs, files = [p for p in paths if p.is_dir()], [p for p in paths if not p.is_dir()]
+    if not dirs:
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        print(summarise(dirs, files))
+    except LogsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,9 +17,19 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PLAIN_MNIST, TRAIN_PY, TUTORIAL_CNN, launch_env, make_dataset, rank_pid, reaped, wait_for
+from helpers import (
+    PLAIN_MNIST,
+    TRAIN_PY,
+    TUTORIAL_CNN,
+    free_port,
+    launch_env,
+    make_dataset,
+    rank_pid,
+    reaped,
+    wait_for,
+)
 
-from paddle_mnist.logs import main, summarise
+from paddle_mnist.logs import LogsError, main, summarise
 
 ARGS = [*PLAIN_MNIST, "--batch-size", "64", "--log-every", "4", "--lr", "0.02"]
 ARGS += TUTORIAL_CNN
@@ -332,9 +343,95 @@ def test_nccl_errors_quoted_from_paddles_issues(tmp_path, quoted):
 
 def test_command_line(tmp_path, capsys):
     (tmp_path / "workerlog.0").write_text("12:00:00 [rank 0/1] finished: test accuracy 0.99\n")
-    assert main([str(tmp_path)]) == 0
-    assert "rank 0   finished" in capsys.readouterr().out
-    assert main([]) == 2 and main([str(tmp_path / "nowhere")]) == 2
+    (tmp_path / "launcher.out").write_text("LAUNCH INFO 2026-11-23 12:00:01,000 Exit code 0\n")
+    assert main([str(tmp_path)]) == 0 and main([str(tmp_path / "launcher.out"), str(tmp_path)]) == 0
+    assert capsys.readouterr().out.count("rank 0   finished") == 2  # directories and files told apart, any order
+    assert main([]) == 2 and main([str(tmp_path / "launcher.out")]) == 2
+    assert "usage: python -m paddle_mnist.logs LOG_DIR [LOG_DIR ...] [LAUNCHER_OUTPUT ...]" in capsys.readouterr().err
     assert main([str(tmp_path), str(tmp_path / "no-launcher.out")]) == 2
-    assert "usage: python -m paddle_mnist.logs LOG_DIR [LAUNCHER_OUTPUT ...]" in capsys.readouterr().err
+    assert (
+        capsys.readouterr().err == f"error: {tmp_path / 'no-launcher.out'} not found; pass the launcher's "
+        "--log_dir (one per machine) and its output files\n"
+    )
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path), str(tmp_path / "empty")]) == 2
+    assert "empty: no workerlog.N files; pass the launcher's --log_dir of each machine" in capsys.readouterr().err
     assert main(["--help"]) == 0 and "usage: python -m paddle_mnist.logs" in capsys.readouterr().out
+
+
+def _launchers_on_two_machines(tmp_path: Path, args: list[str]) -> list[subprocess.Popen]:
+    """A job of two machines, one worker each, as two launchers on 127.0.0.1: machine N's logs in nodeN/log (each
+    starts at workerlog.0) and its launcher's output in nodeN/launcher.out."""
+    port, jobs = free_port(), []
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        launcher = ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node", "1"]
+        cmd = [sys.executable, "-m", "paddle.distributed.launch", *launcher, "--log_dir", f"node{node}/log"]
+        cmd += [str(TRAIN_PY), *args, "--output-dir", str(tmp_path / f"out{node}")]
+        with open(tmp_path / f"node{node}" / "launcher.out", "w") as out:
+            jobs.append(subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=out, stderr=subprocess.STDOUT))
+    return jobs
+
+
+@pytest.mark.slow
+def test_the_first_to_stop_across_machines_log_directories(tmp_path, data_dir):
+    """Machine 1's only worker (global rank 1, its workerlog.0) is killed mid-run; machine 0's loses its peer.
+    Read together the directories name rank 1; each read alone says the other machine's logs are missing, so
+    machine 0's survivor is never named the job's first to stop."""
+    args = [*ARGS, "--data-dir", str(data_dir), "--epochs", "3", "--collective-timeout", "30"]
+    jobs = _launchers_on_two_machines(tmp_path, args)
+    with reaped(jobs[0]), reaped(jobs[1]):
+        wait_for(jobs[1], tmp_path / "node1" / "log" / "workerlog.0", "epoch 1 step 8/32")
+        os.kill(rank_pid(tmp_path / "out1", 1), signal.SIGKILL)
+        assert jobs[1].wait(timeout=120) != 0 and jobs[0].wait(timeout=120) != 0
+    command = [sys.executable, "-m", "paddle_mnist.logs", "node0/log", "node1/log"]
+    command += ["node0/launcher.out", "node1/launcher.out"]
+    proc = subprocess.run(command, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=60)
+    summary = proc.stdout
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    rows = summary.split("\n\n")[0].splitlines()
+    assert rows[0].startswith("rank 0 ") and rows[0].split()[-3:] == ["node0/log/workerlog.0", "connection", "lost"]
+    assert rows[1].startswith("rank 1   stopped ") and rows[1].endswith(" node1/log/workerlog.0"), summary
+    assert len(rows) == 2 and "missing" not in summary, summary
+    assert "first to stop: rank 1 (node1/log/workerlog.0), at epoch 1, step 8 of 32:" in summary, summary
+    assert "cause: killed from outside without a word" in summary, summary
+    # machine 1's launcher reported its worker 0; machine 0's also has a worker 0, which it did not report killed
+    assert "  node1/log/workerlog.0 ends with: " in summary, summary
+    assert "  launcher: Container rank 0 status failed ... code -9" in summary, summary
+
+    for alone, missing in ((0, 1), (1, 0)):
+        summary = summarise(tmp_path / f"node{alone}" / "log")
+        assert summary.splitlines()[0] == (
+            f"the job has 2 ranks but this directory holds the logs of 1 (rank {missing} missing): the others ran on "
+            "other machines, whose log directories were not given, and the first rank to stop may be among them; "
+            "pass every machine's --log_dir: python -m paddle_mnist.logs DIR1 DIR2 ..."
+        ), summary
+        assert "first to stop: " not in summary, summary
+        among = "first to stop of the ranks given (the job's first may be among the missing, see above): "
+        assert f"{among}rank {alone} ({tmp_path}/node{alone}/log/workerlog.0)" in summary, summary
+
+    # the same machine's directory twice (a copy of it): both claim global rank 0
+    shutil.copytree(tmp_path / "node0" / "log", tmp_path / "copy")
+    with pytest.raises(LogsError) as refused:
+        summarise([tmp_path / "node0" / "log", tmp_path / "node1" / "log", tmp_path / "copy"])
+    assert str(refused.value) == (
+        f"{tmp_path}/node0/log/workerlog.0 and {tmp_path}/copy/workerlog.0 both hold global rank 0: the same "
+        "machine's logs given twice, or directories of different runs; pass each machine's --log_dir of one job once"
+    )
+
+
+def test_directories_of_jobs_of_different_sizes_are_refused(tmp_path):
+    """A 2-machine job's machine 0 beside a machine of a 4-worker job (its ranks 2 and 3): one line, no summary."""
+    line = "12:00:0{s} [rank {r}/{w}] epoch 1 step 8/32 loss 1.7161 lr 0.01833 673 img/s (global), memory 335 MiB\n"
+    for name, ranks, world in (("a", [0], 2), ("b", [2, 3], 4)):
+        (tmp_path / name).mkdir()
+        for n, rank in enumerate(ranks):
+            (tmp_path / name / f"workerlog.{n}").write_text(line.format(s=n, r=rank, w=world))
+    with pytest.raises(LogsError) as refused:
+        summarise([tmp_path / "a", tmp_path / "b"])
+    assert str(refused.value) == (
+        f"{tmp_path}/a/workerlog.0 is from a job of 2 workers but {tmp_path}/b/workerlog.0 from one of 4: these "
+        "directories hold different jobs; pass the log directories of one job, one per machine"
+    )
+    # machine b alone: the 4-worker job's ranks 0 and 1 are missing
+    assert summarise(tmp_path / "b").startswith("the job has 4 ranks but this directory holds the logs of 2 (ranks 0-1")
