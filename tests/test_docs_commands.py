@@ -98,6 +98,7 @@ RULES = [
     (r"^chromium ", "elsewhere", "the dashboard in a browser: tests/test_visualdl.py, .ci/run's browser stage"),
     (r"^srun ", "elsewhere", "needs a SLURM cluster; its launcher flags are those of the multi-machine lines"),
     (r"--master etcd://", "parse", "needs etcd: tests/test_elastic.py runs it in .ci/run's elastic stage"),
+    (r"^python -m paddle_mnist\.preflight", "parse", "asks the master's machine: tests/test_multi.py runs it on two"),
     (r"--nnodes", "parse", "several machines: tests/test_parallel.py runs two launchers on one"),
     (r"--gpus|--selected_gpus", "parse", "no GPU here"),
     (r"^python -m paddle_mnist\.download cifar10", "parse", "downloads from the internet"),
