@@ -15,16 +15,14 @@ import pytest
 from helpers import (
     PLAIN_MNIST,
     TRAIN_PY,
-    Host,
     launch_env,
     make_dataset,
-    namespaces_problem,
     rank_pid,
-    two_hosts,
     worker_log,
 )
 
 from paddle_mnist import preflight, watchdog
+from scripts.netns import Host, namespaces_problem, two_hosts
 
 ARGS = [*PLAIN_MNIST, "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 

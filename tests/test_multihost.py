@@ -19,25 +19,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
-    PLAIN_MNIST,
     TRAIN_PY,
-    TUTORIAL_CNN,
     explain,
     launch_env,
     make_dataset,
-    namespaces_problem,
     param_digest,
     run_single,
-    two_hosts,
     weights,
     worker_log,
 )
 
+from scripts import restart_trials
+from scripts.netns import namespaces_problem, two_hosts
+
 pytestmark = pytest.mark.slow  # every test here starts launchers on two machines
 
-# 32 steps an epoch (2048 images, global batch 64), one CPU thread per worker: two machines share this box's cores
-ARGS = [*PLAIN_MNIST, *TUTORIAL_CNN, "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8"]
-ARGS += ["--lr", "0.02", "--batch-size", "64", "--epochs", "2", "--cpu-threads", "1", "--save-every-steps", "5"]
+# restart_trials' job: 32 steps an epoch (2048 images, global batch 64), one CPU thread per worker (two machines
+# share this box's cores), a checkpoint every 5 steps
+ARGS = restart_trials.TRAINER
 PORT = 8090
 BOUND_S = 26  # the watchdog's verdict comes 18 to 22 s after the last progress; gloo's abort at 30 s
 
@@ -98,10 +97,10 @@ def finish(jobs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     return codes
 
 
-def explain_job(codes: list[int], root: Path) -> str:
+def explain_job(codes: list[int | None], root: Path, output: str = "launcher") -> str:
     parts = [f"exit codes {codes}"]
     for rank in (0, 1):
-        parts.append(f"--- launcher{rank}.txt\n" + (root / f"launcher{rank}.txt").read_text()[-2000:])
+        parts.append(f"--- {output}{rank}.txt\n" + (root / f"{output}{rank}.txt").read_text()[-2000:])
         log = root / f"log{rank}" / "workerlog.0"
         if log.exists():
             parts.append(f"--- machine {rank}'s workerlog.0\n" + log.read_text()[-2000:])
@@ -176,6 +175,16 @@ def test_machine_killed_mid_epoch_then_both_relaunched_end_bitwise_equal(hosts, 
     for name in full:
         np.testing.assert_array_equal(resumed[name], full[name], err_msg=name)
     print(f"machine 0's launcher ended {ended:.1f} s after machine 1 was killed")
+
+
+def test_restart_loops_on_both_machines_finish_the_job_after_a_kill(hosts, uninterrupted, data_dir, tmp_path):
+    """The docs' command inside scripts.relaunch on each machine; rank 0's worker (it hosts the job's store) is
+    SIGKILLed mid-epoch: both loops relaunch and the job ends by itself, bitwise equal to the uninterrupted run.
+    A 5 s delay suffices here: the killed worker's connections are reset, so every launcher ends within seconds."""
+    full = weights(uninterrupted / "out" / "model.pdparams")
+    trial = restart_trials.trial(hosts, tmp_path, data_dir, full, machine=0, victim="worker", step=40, delay=5)
+    assert trial.finished and trial.equal, (trial, explain_job([], tmp_path, "machine"))
+    assert trial.attempts == (2, 2) and trial.recovery_s is not None and trial.recovery_s < 60, trial
 
 
 PARTITION = """table inet partition {{
