@@ -109,9 +109,9 @@ def victim_pid(host: Host, victim: str) -> int | None:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if victim == "launcher" and argv[1:3] == ["-m", "paddle.distributed.launch"]:
-            return pid
-        if victim == "worker" and len(argv) > 1 and argv[1] == str(REPO / "train.py"):
+        launcher = argv[1:3] == ["-m", "paddle.distributed.launch"]
+        worker = str(REPO / "train.py") in argv[1:3] and "scripts.relaunch" not in argv  # python [-u] train.py
+        if (victim == "launcher" and launcher) or (victim == "worker" and worker):
             return pid
     return None
 
