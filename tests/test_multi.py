@@ -12,9 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import PLAIN_MNIST, TRAIN_PY, launch_env, make_dataset, rank_pid, worker_log
+from helpers import (
+    PLAIN_MNIST,
+    TRAIN_PY,
+    launch_env,
+    make_dataset,
+    rank_pid,
+    worker_log,
+)
 
 from paddle_mnist import preflight, watchdog
+from scripts.netns import Host, namespaces_problem, two_hosts
 
 ARGS = [*PLAIN_MNIST, "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
 
@@ -104,36 +112,17 @@ def test_workers_stop_with_a_checkpoint_when_their_launcher_is_killed(tmp_path):
 # --- the preflight check, on two "machines" made of network namespaces joined by a veth pair ---
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def machines():
-    """Two network namespaces, 10.77.N.1 (vethA) and 10.77.N.2 (vethB) on one veth pair; removed afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    tag = os.getpid() % 200 + 20
-    a, b = f"pm{tag}a", f"pm{tag}b"
-    subnet = f"10.77.{tag}"
-    try:
-        ip("netns", "add", a)
-        ip("netns", "add", b)
-        ip("link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b")
-        ip("link", "set", f"v{tag}a", "netns", a)
-        ip("link", "set", f"v{tag}b", "netns", b)
-        for ns, end, host in ((a, "a", 1), (b, "b", 2)):
-            ip("-n", ns, "addr", "add", f"{subnet}.{host}/24", "dev", f"v{tag}{end}")
-            ip("-n", ns, "link", "set", f"v{tag}{end}", "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-        yield {"a": (a, f"{subnet}.1", f"v{tag}a"), "b": (b, f"{subnet}.2", f"v{tag}b"), "subnet": subnet}
-    finally:
-        for ns in (a, b):  # the veth pair goes with its namespaces
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+    """Two machines (helpers.two_hosts): 10.78.0.1 and 10.78.0.2, each hostname on 127.0.1.1 as on Debian."""
+    if problem := namespaces_problem():
+        pytest.skip(problem)
+    with two_hosts() as pair:
+        yield pair
 
 
-def preflight_in(ns: str, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "paddle_mnist.preflight", *args]
+def preflight_in(host: Host, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = host.command([sys.executable, "-m", "paddle_mnist.preflight", *args])
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**launch_env(), **(env or {})})
 
 
@@ -142,49 +131,38 @@ def lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_preflight_on_two_machines(machines, tmp_path):
-    (a, ip_a, if_a), (b, ip_b, if_b) = machines["a"], machines["b"]
+    a, b = machines
+    (ip_a, if_a), (ip_b, if_b) = (a.address, a.interface), (b.address, b.interface)
     master = f"{ip_a}:29431"
     shared = tmp_path / "shared"
-    loopback_host = preflight.is_loopback(preflight.launcher_address()[1])
 
     bare = preflight_in(b, ["--master", master, "--output-dir", str(shared)])
     assert not bare.stderr.strip(), bare.stderr  # one line per finding, no traceback
-    if loopback_host:  # Debian's 127.0.1.1, or 127.0.0.1: the issue's hang, named with its fix
-        assert bare.returncode == 1, bare.stdout
-        assert any(
-            line.startswith("error: hostname")
-            and "loopback" in line
-            and f"--host {ip_b}" in line
-            and f"GLOO_SOCKET_IFNAME={if_b}" in line
-            for line in lines(bare)
-        ), bare.stdout
+    assert bare.returncode == 1, bare.stdout  # the hostname on 127.0.1.1: the issue's hang, named with its fix
+    assert any(
+        line.startswith(f"error: hostname '{b.hostname}'")
+        and "loopback" in line
+        and f"--host {ip_b}" in line
+        and f"GLOO_SOCKET_IFNAME={if_b}" in line
+        for line in lines(bare)
+    ), bare.stdout
     assert f"ok: {ip_a} is reached through {if_b} ({ip_b})" in bare.stdout
 
     fixed = ["--master", master, "--output-dir", str(shared)]
     on_b = preflight_in(b, [*fixed, "--host", ip_b], {"GLOO_SOCKET_IFNAME": if_b})
     assert on_b.returncode == 0, on_b.stdout + on_b.stderr
-    assert f"--master {master} is reachable" in on_b.stdout  # ns a answers: refused, nothing listens yet
+    assert f"--master {master} is reachable" in on_b.stdout  # machine a answers: refused, nothing listens yet
     assert "note: no other machine's marker" in on_b.stdout
     on_a = preflight_in(a, [*fixed, "--host", ip_a], {"GLOO_SOCKET_IFNAME": if_a})
     assert on_a.returncode == 0, on_a.stdout + on_a.stderr
     assert f"this is the master's machine ({ip_a}) and port 29431 is free" in on_a.stdout
-    assert re.search(rf"ok: --output-dir is shared: it holds the markers of \S+-{re.escape(ip_b)}", on_a.stdout)
+    marker = f"{re.escape(b.hostname)}-{re.escape(ip_b)}"
+    assert re.search(rf"ok: --output-dir is shared: it holds the markers of {marker}", on_a.stdout), on_a.stdout
     assert re.search(r"ok: [\d.]+ GiB free in ", on_a.stdout)
 
-    # something else holds the master's port (bound inside ns a)
-    holder = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            a,
-            sys.executable,
-            "-c",
-            f"import socket,time; s=socket.create_server(('{ip_a}', 29431)); print('up', flush=True); time.sleep(30)",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # something else holds the master's port (bound on machine a)
+    hold = f"import socket,time; s=socket.create_server(('{ip_a}', 29431)); print('up', flush=True); time.sleep(30)"
+    holder = subprocess.Popen(a.command([sys.executable, "-c", hold]), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "up"
         taken = preflight_in(a, [*fixed, "--host", ip_a], {"GLOO_SOCKET_IFNAME": if_a})
@@ -195,7 +173,7 @@ def test_preflight_on_two_machines(machines, tmp_path):
     assert taken.returncode == 1 and "port 29431 is taken" in taken.stdout, taken.stdout
     assert reached.returncode == 0 and "is reachable and something listens there" in reached.stdout
 
-    nobody = f"{machines['subnet']}.9:29431"  # in the subnet, no machine: no answer
+    nobody = "10.78.0.9:29431"  # in the subnet, no machine: no answer
     lost = preflight_in(
         b, ["--master", nobody, "--output-dir", str(shared), "--host", ip_b], {"GLOO_SOCKET_IFNAME": if_b}
     )
