@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,3 +96,16 @@ def two_hosts():
                 host.kill_all()
             subprocess.run(["ip", "netns", "del", host.netns], capture_output=True, timeout=10)
             shutil.rmtree(Path("/etc/netns") / host.netns, ignore_errors=True)
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """The processes' exit codes, None for one still running after timeout seconds (it is killed then)."""
+    deadline = time.monotonic() + timeout
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    codes = [proc.poll() for proc in procs]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return codes

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scripts.netns import Host, namespaces_problem, two_hosts
+from scripts.netns import Host, namespaces_problem, two_hosts, wait_all
 from scripts.relaunch import DEFAULT_DELAY_S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,19 +77,6 @@ def start(hosts, root: Path, out: Path, data_dir: Path, delay: float) -> list[su
             cmd = loop_command(hosts, rank, root, out, data_dir, delay)
             loops.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT))
     return loops
-
-
-def wait_all(loops: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """The loops' exit codes, None for one still running after timeout seconds (killed then)."""
-    deadline = time.monotonic() + timeout
-    while any(loop.poll() is None for loop in loops) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    codes = [loop.poll() for loop in loops]
-    for loop in loops:
-        if loop.poll() is None:
-            loop.kill()
-            loop.wait()
-    return codes
 
 
 def read(path: Path) -> str:

@@ -247,3 +247,23 @@ def write_mnist_json(path: Path, tree: list) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(gzip.compress(json.dumps(tree, separators=(",", ":")).encode()))
     return path
+
+
+def exited(pid: int) -> bool:
+    """The process has ended: gone, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def watch_end(job: subprocess.Popen, pid: int, limit: float = 90.0) -> tuple[float | None, float]:
+    """Seconds from now until the process pid ended (None if it outlived the job) and until the job ended;
+    fails when the job runs past limit seconds."""
+    t0, ended = time.monotonic(), None
+    while job.poll() is None:
+        if ended is None and exited(pid):
+            ended = time.monotonic() - t0
+        assert time.monotonic() - t0 < limit, f"the job did not end within {limit:.0f} s"
+        time.sleep(0.02)
+    return ended, time.monotonic() - t0

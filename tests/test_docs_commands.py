@@ -97,6 +97,10 @@ RULES = [
     (r"^apt-get ", "elsewhere", "a system package: .ci/run's elastic stage installs it"),
     (r"^chromium ", "elsewhere", "the dashboard in a browser: tests/test_visualdl.py, .ci/run's browser stage"),
     (r"^srun ", "elsewhere", "needs a SLURM cluster; its launcher flags are those of the multi-machine lines"),
+    (r"^python -m scripts\.relaunch .* -- srun ", "elsewhere", "needs a SLURM cluster; tests/test_relaunch.py"),
+    (r"scripts\.relaunch .* --nnodes", "parse", "several machines: tests/test_multihost.py runs loops on two"),
+    (r"^python -m scripts\.relaunch .* train\.py", "train", ""),
+    (r"^python -m scripts\.restart_trials", "parse", "20 trials of minutes each, as root"),
     (r"--master etcd://", "parse", "needs etcd: tests/test_elastic.py runs it in .ci/run's elastic stage"),
     (r"^python -m paddle_mnist\.preflight", "parse", "asks the master's machine: tests/test_multi.py runs it on two"),
     (r"--nnodes", "parse", "several machines: tests/test_parallel.py runs two launchers on one"),
@@ -252,6 +256,8 @@ def _parse_checks(text: str) -> list[tuple[str, str, list[str]]]:
     words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)]
     assert words[:2] == ["python", "-m"], text
     module, argv = words[2], words[3:]
+    if module == "scripts.relaunch" and "--" in argv:  # the loop's flags, then the command it reruns
+        return [("module", module, argv), *_parse_checks(shlex.join(argv[argv.index("--") + 1 :]))]
     if module != "paddle.distributed.launch":
         return [("module", module, argv)]
     at = argv.index("train.py")

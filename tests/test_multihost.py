@@ -30,7 +30,7 @@ from helpers import (
 )
 
 from scripts import restart_trials
-from scripts.netns import namespaces_problem, two_hosts
+from scripts.netns import namespaces_problem, two_hosts, wait_all
 
 pytestmark = pytest.mark.slow  # every test here starts launchers on two machines
 
@@ -84,19 +84,6 @@ def launch(hosts, root: Path, out: Path, extra: list[str] = (), host_flag: bool 
     return jobs
 
 
-def finish(jobs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """The launchers' exit codes, None for one still running after timeout seconds (it is killed then)."""
-    deadline = time.monotonic() + timeout
-    while any(job.poll() is None for job in jobs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    codes = [job.poll() for job in jobs]
-    for job in jobs:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-    return codes
-
-
 def explain_job(codes: list[int | None], root: Path, output: str = "launcher") -> str:
     parts = [f"exit codes {codes}"]
     for rank in (0, 1):
@@ -125,7 +112,7 @@ def uninterrupted(two_machines, data_dir, tmp_path_factory) -> Path:
     """The docs' command on both machines, run to the end; returns its root (outputs in out/, logs in log0, log1)."""
     root = tmp_path_factory.mktemp("uninterrupted")
     jobs = launch(two_machines, root, root / "out", ["--data-dir", str(data_dir)])
-    codes = finish(jobs, 180)
+    codes = wait_all(jobs, 180)
     assert codes == [0, 0], explain_job(codes, root)
     return root
 
@@ -158,15 +145,15 @@ def test_machine_killed_mid_epoch_then_both_relaunched_end_bitwise_equal(hosts, 
         killed = hosts[1].kill_all()  # machine 1's launcher and worker, at once, as a power cut would
         assert len(killed) >= 2, killed
         t0 = time.monotonic()
-        codes = finish(jobs, 60)  # machine 0's worker loses its peer and ends; its launcher with it
+        codes = wait_all(jobs, 60)  # machine 0's worker loses its peer and ends; its launcher with it
         ended = time.monotonic() - t0
     finally:
-        finish(jobs, 0)
+        wait_all(jobs, 0)
     assert codes[0] != 0 and codes[1] == -9, explain_job(codes, first)
     killed_at = steps_of(out)[-1]
     assert 32 < killed_at < 64 and not (out / "model.pdparams").exists(), (killed_at, explain_job(codes, first))
 
-    again = finish(launch(hosts, second, out, ["--data-dir", str(data_dir)]), 180)
+    again = wait_all(launch(hosts, second, out, ["--data-dir", str(data_dir)]), 180)
     assert again == [0, 0], explain_job(again, second)
     for rank in (0, 1):
         resumed_line = next(x for x in worker_log(second / f"log{rank}", 0).splitlines() if "resumed from" in x)
@@ -216,7 +203,7 @@ def test_partition_is_named_by_the_watchdog_before_gloo_aborts(hosts, data_dir, 
                     verdicts[rank] = (time.monotonic() - t0, found.group(1))
             time.sleep(0.05)
     finally:
-        codes = finish(jobs, 0)
+        codes = wait_all(jobs, 0)
     texts = [log.read_text() for log in logs]
     assert 0 in verdicts, explain_job(codes, tmp_path)
     seconds, cause = verdicts[0]
@@ -231,7 +218,7 @@ def test_partition_is_named_by_the_watchdog_before_gloo_aborts(hosts, data_dir, 
 
 def test_without_gloo_socket_ifname_each_worker_refuses_in_one_line(hosts, data_dir, tmp_path):
     jobs = launch(hosts, tmp_path, tmp_path / "out", ["--data-dir", str(data_dir)], ifname=False)
-    codes = finish(jobs, 90)
+    codes = wait_all(jobs, 90)
     assert all(code != 0 for code in codes), explain_job(codes, tmp_path)
     for rank, host in enumerate(hosts):
         errors = [x for x in worker_log(tmp_path / f"log{rank}", 0).splitlines() if "error:" in x]
@@ -247,7 +234,7 @@ def test_without_host_the_launchers_wait_for_a_master_nobody_serves(hosts, data_
         time.sleep(15)
         running = [job.poll() is None for job in jobs]
     finally:
-        finish(jobs, 0)
+        wait_all(jobs, 0)
     assert running == [True, True]
     for rank in (0, 1):
         assert "master not ready" in (tmp_path / f"launcher{rank}.txt").read_text()
