@@ -59,6 +59,7 @@ class StopSignals:
         self.on_abort: list[Callable[[], None]] = []
         self.launcher: Launcher | None = None
         self._first_at: float | None = None
+        self._explained = False
         self._reader, self._writer = socket.socketpair()
         self._writer.setblocking(False)
 
@@ -87,10 +88,17 @@ class StopSignals:
     def _received(self, signum: int, now: float) -> None:
         if self._first_at is None:
             self._first_at, self.signum = now, signum
-            if signum == signal.SIGTERM and self.launcher is not None and self.launcher.gone():
-                self._say(self.launcher.describe())
+            if signum == signal.SIGTERM:
+                self.explain()
         elif now - self._first_at > SAME_REQUEST_S:
             self._abort(signum)
+
+    def explain(self) -> None:
+        """Say once that the launcher went away, when it did: from the signal's own arrival, or when the ranks
+        agree to stop, since a peer's SIGTERM from the same death can stop this worker before its own is read."""
+        if self.launcher is not None and not self._explained and self.launcher.gone():
+            self._explained = True
+            self._say(self.launcher.describe())
 
     def _say(self, message: str) -> None:
         """One warning line in this worker's log (on stderr before the log exists), written out at once."""

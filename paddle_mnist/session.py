@@ -171,6 +171,8 @@ class Session:
         if failed:
             raise WriteFailed(self.files.failure_message())
         self.cadence.plan(at_step, per_step)
+        if signum:
+            self.stop.explain()
         return int(signum)
 
     def average_statistics(self) -> None:
