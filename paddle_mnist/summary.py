@@ -44,8 +44,8 @@ def _layer_macs(layer: nn.Layer, output: paddle.Tensor) -> int:
 
 def describe(model_name: str, num_classes: int, image_shape: tuple[int, int, int]) -> ModelSummary:
     """Describe a fresh copy of the network, so the one being trained, its batch norm statistics and the random
-    generator's state are untouched. The copy runs layer by layer (MnistCNN's fused blocks off), so that every
-    layer reports its output shape; the fused blocks compute the same values with the same parameters.
+    generator's state are untouched. The copy runs layer by layer (MnistCNN's blocks in the tutorial's order), so
+    that every layer reports its output shape; its other orders compute the same values with the same parameters.
 
     paddle.summary gives the table and the parameter counts. paddle.flops is not used: on Paddle 3.x with numpy 2
     it fails (int() of a one-element buffer) and it does not know this package's Conv2D; the multiply-adds are
@@ -56,8 +56,8 @@ def describe(model_name: str, num_classes: int, image_shape: tuple[int, int, int
         net = build_model(model_name, num_classes, image_shape)
     finally:
         paddle.set_rng_state(rng)
-    if getattr(net, "fused", False):
-        net.fused = False
+    if hasattr(net, "order"):
+        net.order = "plain"
     net.eval()
     macs = []
     hooks = [

@@ -15,7 +15,7 @@ from helpers import launch_env
 from paddle import nn
 
 from paddle_mnist import cpu
-from paddle_mnist.models import Conv2D, MnistCNN, add_channel_bias, build_model
+from paddle_mnist.models import Conv2D, MaxPool2D, MnistCNN, add_channel_bias, build_model
 
 
 def outputs_and_grads(net: nn.Layer, x: paddle.Tensor, y: paddle.Tensor, seed: int = 3):
@@ -41,9 +41,46 @@ def test_mnist_cnn_matches_the_tutorial_layers_forward_and_backward():
         np.testing.assert_allclose(grads_fast[name], grads_plain[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("hidden", [0, 256], ids=["mnist_cnn_bn", "mnist_cnn_bn_fc"])
+def test_batch_norm_models_pool_before_relu_to_the_bit(hidden):
+    """ReLU after the pool and the pool that keeps its argmax: outputs and every gradient equal to the tutorial's
+    order and nn.MaxPool2D's, exactly (no bias is moved, so no sum changes order)."""
+    paddle.seed(13)
+    fast = MnistCNN(batch_norm=True, hidden=hidden)
+    plain = MnistCNN(batch_norm=True, hidden=hidden, plain=True)
+    plain.set_state_dict(fast.state_dict())
+    assert MaxPool2D not in {type(layer) for layer in plain.sublayers()}
+    x, y = paddle.randn([16, 1, 28, 28]), paddle.randint(0, 10, [16])
+    out_fast, grads_fast = outputs_and_grads(fast, x, y)
+    out_plain, grads_plain = outputs_and_grads(plain, x, y)
+    np.testing.assert_array_equal(out_fast, out_plain)
+    assert grads_fast.keys() == grads_plain.keys() and len(grads_fast) == (10 if hidden else 8)
+    for name in grads_fast:
+        np.testing.assert_array_equal(grads_fast[name], grads_plain[name], err_msg=name)
+
+
+@pytest.mark.parametrize(("kernel", "stride", "side"), [(2, 2, 12), (3, 2, 15), (2, 2, 13)])
+def test_max_pool_with_mask_routes_gradients_as_nn_max_pool2d_even_on_ties(kernel, stride, side):
+    """Whole numbers, so most windows hold their maximum twice or more: the gradient still goes to the same input."""
+    rng = np.random.default_rng(kernel * side)
+    x = paddle.to_tensor(np.round(rng.normal(size=(4, 3, side, side))).astype("float32"), stop_gradient=False)
+    results = []
+    for pool in (MaxPool2D(kernel, stride), nn.MaxPool2D(kernel, stride)):
+        out = pool(x)
+        (out * paddle.arange(out.size, dtype="float32").reshape(out.shape)).sum().backward()
+        results.append((out.numpy(), x.grad.numpy().copy()))
+        x.clear_gradient()
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+    pool = MaxPool2D(kernel, stride)
+    pool.eval()  # evaluation, and so the exported model, runs nn.MaxPool2D's own forward
+    np.testing.assert_array_equal(pool(x).numpy(), results[1][0])
+
+
 @pytest.mark.parametrize("name", ["cifar_cnn", "minigooglenet"])
 def test_conv_with_bias_added_by_rows_matches_nn_conv2d(name):
-    """Every Conv2D of these models, run through nn.Conv2D's own forward instead, gives the same training step."""
+    """Every Conv2D and MaxPool2D of these models, run through nn.Conv2D's and nn.MaxPool2D's own forward instead,
+    gives the same training step."""
     paddle.seed(12)
     fast = build_model(name, 10, (3, 32, 32))
     plain = build_model(name, 10, (3, 32, 32))
@@ -52,6 +89,10 @@ def test_conv_with_bias_added_by_rows_matches_nn_conv2d(name):
     assert convs and all(conv.bias is not None for conv in convs)
     for conv in convs:
         conv.forward = types.MethodType(nn.Conv2D.forward, conv)
+    pools = [layer for layer in plain.sublayers() if isinstance(layer, MaxPool2D)]
+    assert pools
+    for pool in pools:
+        pool.forward = types.MethodType(nn.MaxPool2D.forward, pool)
     x, y = paddle.randn([4, 3, 32, 32]), paddle.randint(0, 10, [4])
     out_fast, grads_fast = outputs_and_grads(fast, x, y)
     out_plain, grads_plain = outputs_and_grads(plain, x, y)
