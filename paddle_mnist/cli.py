@@ -12,7 +12,7 @@ from pathlib import Path
 
 import paddle
 
-from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, summary
+from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, onednn, summary
 from .checkpoint import CheckpointStore
 from .config import (
     FOLDER,
@@ -139,6 +139,7 @@ def _check_start(cfg: Config, env: DistEnv) -> int:
     threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
     if env.device == "cpu":
         distributed.apply_cpu_threads(threads)
+        onednn.set_openmp_threads(threads)  # oneDNN's OpenMP runtime too, which Paddle's setting does not reach
     return threads
 
 
@@ -192,7 +193,12 @@ def _splits(cfg: Config, ds: data.Dataset, parts: int) -> tuple[data.Split, data
 
 
 def run(
-    cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals | None = None, lock: RunLock | None = None
+    cfg: Config,
+    env: DistEnv,
+    log: logging.Logger,
+    stop: StopSignals | None = None,
+    lock: RunLock | None = None,
+    convolutions: onednn.Prepared | None = None,
 ) -> dict:
     """The job: data, model, resume, train epoch by epoch, then the final weights, results and export."""
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
@@ -202,6 +208,10 @@ def run(
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
         f"backend {env.backend}, device {env.device}"
     )
+    try:
+        log.info(onednn.activate(convolutions or onednn.prepare(cfg.conv_backend), env.device))
+    except onednn.Unavailable as e:
+        raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
     cfg, ds = _load_data(cfg, env, log)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     feed = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
@@ -346,16 +356,21 @@ def _run_command(argv: list[str] | None) -> int:
     stop.watch_launcher()  # and a SIGTERM if the launcher dies: its workers run in sessions of their own
     try:
         cfg = parse_args(argv)
+        # before the process group: a first build (seconds to a minute) must not hold peers in a collective
+        convolutions = onednn.prepare(cfg.conv_backend)
         env = distributed.setup()
     except (ConfigError, LaunchError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except onednn.Unavailable as e:
+        print(f"error: --conv-backend onednn: {e}; or pass --conv-backend auto", file=sys.stderr, flush=True)
         return 2
     log = get_logger(env)
     stop.log = log
     lock = RunLock(cfg.output_dir)
     stop.on_abort.append(lock.release)
     try:
-        run(resolve_for_world(cfg, env.world_size), env, log, stop, lock)
+        run(resolve_for_world(cfg, env.world_size), env, log, stop, lock, convolutions)
     except Preempted as e:
         log.warning(str(e))
         return exit_code(e.signum)

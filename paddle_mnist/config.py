@@ -106,6 +106,7 @@ class Config:
     visualdl: bool = False  # VisualDL scalars in OUTPUT_DIR/visualdl (the optional visualdl package)
     collective_timeout: float | None = None  # None: the backend's default (watchdog.timeout_for)
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
+    conv_backend: str = "auto"  # CPU training's convolutions: oneDNN's custom operator where it works (onednn.py)
     timing_every: int = 25  # time the phases of every Nth step (0: off)
     profile_steps: str = ""  # "A:B": record optimizer steps A to B with paddle.profiler ("": off)
     # --dataset folder only (docs/datasets.md, "Your own images")
@@ -320,6 +321,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Paddle cannot change that, so the watchdog must come first; 300 on GPUs, where NCCL waits without end)",
     )
     _add_count(p, "--cpu-threads", "CPU math threads per worker (0: cores / workers on this node)")
+    p.add_argument(
+        "--conv-backend",
+        default=d.conv_backend,
+        choices=("auto", "onednn", "paddle"),
+        help="convolutions for float32 training on the CPU: auto uses oneDNN's (a custom operator built once per "
+        "machine and Paddle version, then cached) where it builds and checks out, else Paddle's with one log line "
+        "saying why; onednn requires it; paddle never builds it. The weights and the exported model are the same",
+    )
     _add_count(
         p,
         "--timing-every",

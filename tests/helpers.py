@@ -133,9 +133,10 @@ def launch_env() -> dict:
     return env
 
 
-def run_single(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_single(args: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """python train.py ARGS in one process; env: variables set on top of launch_env()'s."""
     cmd = [sys.executable, str(TRAIN_PY), *args]
-    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=launch_env() | (env or {}), capture_output=True, text=True, timeout=timeout)
 
 
 def run_launch(

@@ -1,0 +1,220 @@
+// A 2-D convolution (no bias, no dilation, one group) on float32 NCHW CPU tensors, run by oneDNN: a Paddle custom
+// operator with its gradient operator, so dygraph autograd and DataParallel treat it as any other operator.
+//
+// paddle_mnist/onednn.py builds this file once per machine and Paddle version against the libdnnl.so.3 that
+// Paddle's CPU wheel ships, and uses it in place of F.conv2d for training on the CPU. oneDNN picks the memory
+// layouts its kernels run fastest in (blocked by 8 or 16 channels); Paddle's NCHW buffers are reordered into them
+// and back around each call. The primitives, the reorders and the scratch buffers are made once per shape and
+// kept, so a training step only executes them.
+
+#include <map>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+// The headers package was configured with oneDNN's experimental sparse memory, whose query function the
+// libdnnl.so.3 of Paddle's wheels does not export; this operator uses dense memory only.
+#include "oneapi/dnnl/dnnl_config.h"
+#undef DNNL_EXPERIMENTAL_SPARSE
+#include "oneapi/dnnl/dnnl.hpp"
+#include "paddle/extension.h"
+
+namespace {
+
+using dnnl::memory;
+using Dims = memory::dims;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+dnnl::stream& cpu_stream() {
+  static dnnl::stream stream(cpu_engine());
+  return stream;
+}
+
+memory::desc nchw(const Dims& dims) { return memory::desc(dims, memory::data_type::f32, memory::format_tag::nchw); }
+memory::desc any(const Dims& dims) { return memory::desc(dims, memory::data_type::f32, memory::format_tag::any); }
+
+// One operand of one primitive: Paddle's NCHW buffer, and the layout the primitive chose for it. Where the two
+// differ, a scratch buffer in the chosen layout and the reorders between the two.
+class Operand {
+ public:
+  Operand(const Dims& dims, const memory::desc& chosen) : user_(nchw(dims)) {
+    if (chosen == user_) return;
+    scratch_ = memory(chosen, cpu_engine());
+    to_chosen_ = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), user_, cpu_engine(), chosen));
+    to_user_ = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), chosen, cpu_engine(), user_));
+    reordered_ = true;
+  }
+
+  // The memory the primitive reads: Paddle's buffer itself, or its copy in the chosen layout.
+  memory input(const float* data) {
+    memory user(user_, cpu_engine(), const_cast<float*>(data));
+    if (!reordered_) return user;
+    to_chosen_.execute(cpu_stream(), user, scratch_);
+    return scratch_;
+  }
+
+  // The memory the primitive writes; finish() then copies it into Paddle's buffer where it is a scratch buffer.
+  memory output(float* data) { return reordered_ ? scratch_ : memory(user_, cpu_engine(), data); }
+
+  void finish(float* data) {
+    if (!reordered_) return;
+    memory user(user_, cpu_engine(), data);
+    to_user_.execute(cpu_stream(), scratch_, user);
+  }
+
+ private:
+  memory::desc user_;
+  memory scratch_;
+  dnnl::reorder to_chosen_, to_user_;
+  bool reordered_ = false;
+};
+
+struct Geometry {
+  Dims src, weights, dst, strides, pad_left, pad_right;
+  bool operator<(const Geometry& other) const {
+    return std::tie(src, weights, dst, strides, pad_left, pad_right) <
+           std::tie(other.src, other.weights, other.dst, other.strides, other.pad_left, other.pad_right);
+  }
+};
+
+Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding) {
+  const int64_t out_h = (x[2] + 2 * padding - w[2]) / stride + 1;
+  const int64_t out_w = (x[3] + 2 * padding - w[3]) / stride + 1;
+  // the right and bottom padding that make oneDNN's output size exactly F.conv2d's (it may be less than
+  // `padding` where the stride leaves input rows over)
+  const int64_t right_h = (out_h - 1) * stride + w[2] - x[2] - padding;
+  const int64_t right_w = (out_w - 1) * stride + w[3] - x[3] - padding;
+  return {{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], out_h, out_w},
+          {stride, stride},        {padding, padding},        {right_h, right_w}};
+}
+
+// The backward-data and backward-weights primitives of one geometry and their operands, made at its first backward
+// pass (evaluation batches never make them).
+struct Backward {
+  Backward(const Geometry& g, const dnnl::convolution_forward::primitive_desc& hint)
+      : data_pd(cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights), any(g.dst),
+                g.strides, g.pad_left, g.pad_right, hint),
+        weights_pd(cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights), any(g.dst),
+                   g.strides, g.pad_left, g.pad_right, hint),
+        data(data_pd),
+        weights(weights_pd),
+        data_diff_dst(g.dst, data_pd.diff_dst_desc()),
+        data_weights(g.weights, data_pd.weights_desc()),
+        data_diff_src(g.src, data_pd.diff_src_desc()),
+        weights_src(g.src, weights_pd.src_desc()),
+        weights_diff_dst(g.dst, weights_pd.diff_dst_desc()),
+        weights_diff_weights(g.weights, weights_pd.diff_weights_desc()) {}
+
+  dnnl::convolution_backward_data::primitive_desc data_pd;
+  dnnl::convolution_backward_weights::primitive_desc weights_pd;
+  dnnl::convolution_backward_data data;
+  dnnl::convolution_backward_weights weights;
+  Operand data_diff_dst, data_weights, data_diff_src;
+  Operand weights_src, weights_diff_dst, weights_diff_weights;
+};
+
+// The forward primitive of one geometry and its operands, and the backward ones once needed.
+struct Plan {
+  explicit Plan(const Geometry& g)
+      : geometry(g),
+        fwd_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(g.src),
+               any(g.weights), any(g.dst), g.strides, g.pad_left, g.pad_right),
+        fwd(fwd_pd),
+        fwd_src(g.src, fwd_pd.src_desc()),
+        fwd_weights(g.weights, fwd_pd.weights_desc()),
+        fwd_dst(g.dst, fwd_pd.dst_desc()) {}
+
+  Backward& backward() {
+    if (!bwd) bwd = std::make_unique<Backward>(geometry, fwd_pd);
+    return *bwd;
+  }
+
+  Geometry geometry;
+  dnnl::convolution_forward::primitive_desc fwd_pd;
+  dnnl::convolution_forward fwd;
+  Operand fwd_src, fwd_weights, fwd_dst;
+  std::unique_ptr<Backward> bwd;
+};
+
+Plan& plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding) {
+  static std::map<Geometry, std::unique_ptr<Plan>> plans;
+  const Geometry g = geometry(x.shape(), w.shape(), stride, padding);
+  auto found = plans.find(g);
+  if (found == plans.end()) found = plans.emplace(g, std::make_unique<Plan>(g)).first;
+  return *found->second;
+}
+
+void check(const paddle::Tensor& t, const char* name) {
+  PD_CHECK(t.is_cpu(), "onednn_conv2d: ", name, " must be on the CPU");
+  PD_CHECK(t.dtype() == paddle::DataType::FLOAT32, "onednn_conv2d: ", name, " must be float32");
+  PD_CHECK(t.shape().size() == 4, "onednn_conv2d: ", name, " must have 4 dimensions");
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> ConvForward(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
+                                        bool input_grad) {
+  check(x, "x");
+  check(w, "weight");
+  Plan& p = plan_for(x, w, stride, padding);
+  const Dims& dst = p.geometry.dst;
+  auto out = paddle::empty({dst[0], dst[1], dst[2], dst[3]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  float* out_data = out.data<float>();
+  p.fwd.execute(cpu_stream(), {{DNNL_ARG_SRC, p.fwd_src.input(x.data<float>())},
+                               {DNNL_ARG_WEIGHTS, p.fwd_weights.input(w.data<float>())},
+                               {DNNL_ARG_DST, p.fwd_dst.output(out_data)}});
+  p.fwd_dst.finish(out_data);
+  cpu_stream().wait();
+  return {out};
+}
+
+std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::Tensor& w,
+                                         const paddle::Tensor& grad_out, int stride, int padding, bool input_grad) {
+  check(grad_out, "the output's gradient");
+  Backward& p = plan_for(x, w, stride, padding).backward();
+  auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  float* grad_w_data = grad_w.data<float>();
+  p.weights.execute(cpu_stream(), {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
+                                   {DNNL_ARG_DIFF_DST, p.weights_diff_dst.input(grad_out.data<float>())},
+                                   {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff_weights.output(grad_w_data)}});
+  p.weights_diff_weights.finish(grad_w_data);
+  paddle::Tensor grad_x;
+  if (input_grad) {
+    grad_x = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+    float* grad_x_data = grad_x.data<float>();
+    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, p.data_diff_dst.input(grad_out.data<float>())},
+                                  {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
+                                  {DNNL_ARG_DIFF_SRC, p.data_diff_src.output(grad_x_data)}});
+    p.data_diff_src.finish(grad_x_data);
+  } else {  // the input takes no gradient (the network's first layer): nothing reads this
+    grad_x = paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  }
+  cpu_stream().wait();
+  return {grad_x, grad_w};
+}
+
+std::vector<std::vector<int64_t>> ConvInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                 int stride, int padding, bool input_grad) {
+  const Geometry g = geometry(x, w, stride, padding);
+  return {{x[0], w[0], g.dst[2], g.dst[3]}};
+}
+
+std::vector<paddle::DataType> ConvInferDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
+
+PD_BUILD_OP(onednn_conv2d)
+    .Inputs({"X", "W"})
+    .Outputs({"Out"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ConvForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(ConvInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ConvInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_conv2d)
+    .Inputs({"X", "W", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X"), paddle::Grad("W")})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ConvBackward));

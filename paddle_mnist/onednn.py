@@ -1,0 +1,332 @@
+"""oneDNN convolutions for CPU training: built once per machine and Paddle version, checked, used, or left aside.
+
+Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per image, and never reaches oneDNN
+(docs/performance.md). csrc/onednn_conv.cc is a Paddle custom operator, with its gradient operator, that runs the
+convolution through oneDNN, linked against the libdnnl.so.3 that Paddle's CPU wheel already ships and compiled with
+the oneDNN headers of the `onednn-devel-cpu-gomp` package (requirements.txt).
+
+    prepare(backend)   before the process group: build (or find) the operator; several workers on one machine
+                       build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".
+    activate(...)      after it: load the build, check it against F.conv2d, and route Conv2D through it
+    conv2d(...)        what models.Conv2D calls: the operator where it is active (float32, CPU, dygraph), else
+                       F.conv2d (so paddle.jit.save, and with it Paddle Inference and ONNX, always get Paddle's)
+
+--conv-backend auto (the default) uses the operator where it builds and passes the check, and Paddle's
+convolution with one logged line saying why where it does not; onednn requires it (a run that cannot have it
+stops with the reason); paddle never builds it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+BACKENDS = ("auto", "onednn", "paddle")
+SOURCE = Path(__file__).with_name("csrc") / "onednn_conv.cc"
+NAME = "onednn_conv"  # the library's name; the operator is onednn_conv2d
+HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
+HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
+BUILD_TIMEOUT_S = 900
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
+
+# Run in a child process, so that a compiler or loader failure cannot take the trainer down with it:
+# paddle.utils.cpp_extension.load compiles with Paddle's own headers and flags, then loads the result once.
+BUILD_SCRIPT = """
+import ctypes, os, sys
+from paddle.utils import cpp_extension
+source, out, include, libs, package_parent = sys.argv[1:6]
+module = cpp_extension.load(
+    name="onednn_conv", sources=[source], extra_include_paths=[include],
+    extra_cxx_cflags=["-O3", "-std=c++17"],
+    extra_ldflags=[f"-L{libs}", "-l:libdnnl.so.3", f"-Wl,-rpath,{libs}"],
+    build_directory=out,
+)
+# every symbol resolved now (a missing one would otherwise end the trainer at its first call), then the check
+ctypes.CDLL(os.path.join(out, "onednn_conv", "onednn_conv.so"), mode=os.RTLD_NOW)
+sys.path.insert(0, package_parent)
+from paddle_mnist import onednn
+onednn.check(module.onednn_conv2d)
+"""
+
+
+class Unavailable(Exception):
+    """The operator cannot be built, loaded or trusted here; the message says why and, where there is one, the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What prepare() found: the build to load, or why there is none."""
+
+    backend: str
+    library: Path | None = None
+    built_s: float | None = None  # seconds this process spent building; None: an earlier build was found
+    reason: str = ""  # why Paddle's convolution is used
+
+
+_op = None  # the loaded operator's Python function, once activate() succeeded
+
+
+def cache_root(environ: dict | os._Environ = os.environ) -> Path:
+    """PADDLE_MNIST_CACHE, else $XDG_CACHE_HOME/paddle_mnist, else ~/.cache/paddle_mnist."""
+    if environ.get("PADDLE_MNIST_CACHE"):
+        return Path(environ["PADDLE_MNIST_CACHE"])
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "paddle_mnist"
+
+
+def headers() -> Path:
+    """The folder that holds oneapi/dnnl/dnnl.hpp, from the installed headers package."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.distribution(HEADERS_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise Unavailable(f"the oneDNN headers are not installed ({HEADERS_FIX})") from None
+    for f in files:
+        if f.name == "dnnl.hpp" and f.parent.name == "dnnl":
+            return Path(f.locate()).resolve().parent.parent.parent
+    raise Unavailable(f"{HEADERS_PACKAGE} is installed without oneapi/dnnl/dnnl.hpp (reinstall it: {HEADERS_FIX})")
+
+
+def paddle_libs() -> Path:
+    """The folder of Paddle's bundled libraries, which holds the libdnnl.so.3 the operator links against."""
+    libs = Path(paddle.__file__).parent / "libs"
+    if not (libs / "libdnnl.so.3").is_file():
+        raise Unavailable(f"this Paddle ({paddle.__version__}) ships no libdnnl.so.3 in {libs}")
+    return libs
+
+
+def compiler() -> str:
+    """The C++ compiler's version line; Unavailable when there is none."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        raise Unavailable(f"no C++ compiler ({cxx}) to build it with (install g++)") from None
+    return out.stdout.splitlines()[0] if out.returncode == 0 and out.stdout else cxx
+
+
+def build_key(include: Path, libs: Path) -> str:
+    """Everything a build depends on: the source, Paddle, its libdnnl, the headers, the compiler and Python."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    version = (include / "oneapi" / "dnnl" / "dnnl_version.h").read_bytes()
+    dnnl = (libs / "libdnnl.so.3").stat()
+    commit = getattr(paddle.version, "commit", "")
+    for part in (paddle.__version__, commit, version, dnnl.st_size, compiler(), sys.version, platform.machine()):
+        h.update(str(part).encode())
+    return h.hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def intact(folder: Path) -> bool:
+    """A finished build: its record names the library's digest, and the library still has it."""
+    try:
+        record = json.loads((folder / "build.json").read_text())
+        return _sha256(folder / f"{NAME}.so") == record["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _compile(folder: Path, include: Path, libs: Path) -> None:
+    """Build into `folder` (a fresh scratch folder) in a child process; Unavailable with the compiler's last
+    lines where it fails."""
+    folder.mkdir()
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    cmd = [sys.executable, "-c", BUILD_SCRIPT, str(SOURCE), str(folder), str(include), str(libs), package_parent]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise Unavailable(f"the build took over {BUILD_TIMEOUT_S} s and was stopped") from None
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stderr + proc.stdout).splitlines() if "error" in line.lower()]
+        tail = lines[-1].strip() if lines else (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Unavailable(f"the build failed: {tail[:300]}")
+
+
+def build(root: Path | None = None) -> tuple[Path, float | None]:
+    """The built library's path, and the seconds this call spent building it (None: found built).
+
+    The build's folder is named by build_key. It is made under an exclusive lock, so the workers of one machine
+    build it once and the others wait, compiled in a scratch folder beside it and moved into place with its
+    record (build.json, holding the library's SHA-256) only once complete: a folder without an intact record is a
+    damaged or interrupted build and is built again, never loaded.
+    """
+    include, libs = headers(), paddle_libs()
+    root = (root or cache_root()) / NAME
+    key = build_key(include, libs)
+    folder = root / key
+    if intact(folder):
+        return folder / f"{NAME}.so", None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root / f"{key}.lock", "a")
+    except OSError as e:
+        raise Unavailable(f"cannot write the build cache {root}: {e.strerror} (set PADDLE_MNIST_CACHE)") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if intact(folder):  # another worker built it while this one waited
+            return folder / f"{NAME}.so", None
+        started = time.perf_counter()
+        scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+        try:
+            _compile(scratch / "build", include, libs)
+            staged = scratch / "staged"
+            staged.mkdir()
+            shutil.copyfile(scratch / "build" / NAME / f"{NAME}.so", staged / f"{NAME}.so")
+            seconds = time.perf_counter() - started
+            record = {
+                "sha256": _sha256(staged / f"{NAME}.so"),
+                "paddle": paddle.__version__,
+                "build_seconds": round(seconds, 1),
+                "compiler": compiler(),
+            }
+            (staged / "build.json").write_text(json.dumps(record, indent=2) + "\n")
+            if folder.exists():  # damaged or interrupted: set it aside whole, then put the new build in its place
+                shutil.rmtree(folder)
+            os.replace(staged, folder)
+        except OSError as e:
+            raise Unavailable(f"cannot write the build cache {root}: {e} (set PADDLE_MNIST_CACHE)") from None
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return folder / f"{NAME}.so", seconds
+
+
+def prepare(backend: str) -> Prepared:
+    """Build or find the operator for this run's --conv-backend; raises Unavailable only for "onednn"."""
+    if backend == "paddle":
+        return Prepared(backend, reason="--conv-backend paddle")
+    try:
+        if paddle.is_compiled_with_cuda():
+            raise Unavailable("this Paddle is a GPU build, whose convolutions run on the GPU")
+        if not sys.platform.startswith("linux"):
+            raise Unavailable("the operator is built on Linux only")
+        library, seconds = build()
+    except Unavailable as e:
+        if backend == "onednn":
+            raise
+        return Prepared(backend, reason=str(e))
+    return Prepared(backend, library, seconds)
+
+
+def load(library: Path):
+    """Register the operator from its library and return its Python function."""
+    from paddle.utils.cpp_extension import extension_utils
+
+    with tempfile.TemporaryDirectory() as scratch:  # the generated Python wrapper is read once, at import
+        names = extension_utils.load_op_meta_info_and_register_op(str(library))
+        module = extension_utils._generate_python_module(NAME, names, scratch)
+    return module.onednn_conv2d
+
+
+def check(op) -> None:
+    """The operator against F.conv2d on two small geometries (padded, strided and not): outputs and both
+    gradients. Unavailable where they differ: such a build is not used."""
+    rng = paddle.get_rng_state()
+    try:
+        paddle.seed(0)
+        for stride, padding, side, kernel in ((1, 2, 9, 5), (2, 0, 10, 3)):
+            x, w = paddle.randn([2, 3, side, side]), paddle.randn([4, 3, kernel, kernel])
+            ours = _output_and_grads(lambda: op(x, w, stride, padding, True), x, w)  # noqa: B023 (called here)
+            paddles = _output_and_grads(lambda: F.conv2d(x, w, stride=stride, padding=padding), x, w)  # noqa: B023
+            for name, a, b in zip(("output", "input gradient", "weight gradient"), ours, paddles):
+                if a.shape != b.shape or not np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+                    raise Unavailable(f"its {name} differs from F.conv2d's (stride {stride}, padding {padding})")
+    finally:
+        paddle.set_rng_state(rng)
+
+
+def _output_and_grads(conv, x: paddle.Tensor, w: paddle.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x.stop_gradient = w.stop_gradient = False
+    y = conv()
+    (y * y).sum().backward()
+    grads = (x.grad.numpy(), w.grad.numpy())
+    x.clear_gradient()
+    w.clear_gradient()
+    return (y.numpy(), *grads)
+
+
+def activate(prepared: Prepared, device: str) -> str:
+    """Load and check the prepared build and route Conv2D through it; the line the log gets about it. Raises
+    Unavailable where the user asked for oneDNN and cannot have it."""
+    global _op
+    _op = None
+    if prepared.library is None:
+        return f"convolutions: Paddle's ({prepared.reason})"
+    if device != "cpu":
+        if prepared.backend == "onednn":
+            raise Unavailable(f"--conv-backend onednn runs on the CPU; this run's device is {device}")
+        return f"convolutions: Paddle's (device {device})"
+    try:
+        op = load(prepared.library)
+        check(op)
+    except Unavailable as e:
+        if prepared.backend == "onednn":
+            raise
+        return f"convolutions: Paddle's (oneDNN's operator from {prepared.library} was not used: {e})"
+    except Exception as e:  # a library that loads but fails: Paddle's message, on one line
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        if prepared.backend == "onednn":
+            raise Unavailable(f"oneDNN's operator from {prepared.library} failed to load: {reason}") from None
+        return f"convolutions: Paddle's (oneDNN's operator from {prepared.library} failed to load: {reason})"
+    _op = op
+    how = f"built in {prepared.built_s:.0f} s" if prepared.built_s is not None else "built before"
+    return f"convolutions: oneDNN (custom operator, {how}: {prepared.library})"
+
+
+def deactivate() -> None:
+    global _op
+    _op = None
+
+
+def active() -> bool:
+    return _op is not None
+
+
+def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int) -> paddle.Tensor:
+    """F.conv2d(x, weight, stride=stride, padding=padding), by oneDNN where it is active and can run it."""
+    if _op is not None and x.dtype == paddle.float32 and paddle.in_dynamic_mode() and x.place.is_cpu_place():
+        return _op(x, weight, stride, padding, not x.stop_gradient)
+    return F.conv2d(x, weight, stride=stride, padding=padding)
+
+
+OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so")  # oneDNN's (GNU) and MKL's (Intel) in Paddle's CPU wheels
+
+
+def set_openmp_threads(n: int) -> dict[str, int]:
+    """omp_set_num_threads(n) in every OpenMP runtime this process has loaded; {runtime: its threads now}.
+
+    Paddle's set_num_threads reaches one runtime, and its CPU wheel loads two: MKL's Intel OpenMP and the GNU
+    OpenMP its libdnnl.so.3 (and so this operator) runs on. Left alone, the second would run as many threads as
+    the machine has cores in every worker.
+    """
+    seen = {}
+    for name in OPENMP_RUNTIMES:
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:  # not loaded in this process
+            continue
+        lib.omp_set_num_threads(ctypes.c_int(n))
+        seen[name] = lib.omp_get_max_threads()
+    return seen

@@ -1,0 +1,198 @@
+"""oneDNN's convolution operator: the same numbers as F.conv2d, built once, rebuilt when damaged, left aside cleanly.
+
+The operator is built into the user's cache (~/.cache/paddle_mnist) by the first test that needs it, as the trainer
+would; the tests of building itself use a cache of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+import pytest
+from helpers import PLAIN_MNIST, TUTORIAL_CNN, explain, launch_env, make_dataset, read_results, run_single
+
+from paddle_mnist import models, onednn
+
+SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "100", "--epochs", "1", "--batch-size", "64"]
+
+
+@pytest.fixture(scope="module")
+def op():
+    """The operator, built or found as the trainer does; the tests fail, naming why, where it cannot be had."""
+    prepared = onednn.prepare("auto")
+    assert prepared.library is not None, f"the operator did not build here: {prepared.reason}"
+    line = onednn.activate(prepared, "cpu")
+    assert line.startswith("convolutions: oneDNN"), line
+    yield onednn._op
+    onednn.deactivate()
+
+
+def output_and_grads(conv, x: paddle.Tensor, w: paddle.Tensor):
+    x.stop_gradient = w.stop_gradient = False
+    y = conv(x, w)
+    (y * paddle.cos(y)).sum().backward()  # a gradient that differs from place to place
+    result = y.numpy(), x.grad.numpy(), w.grad.numpy()
+    x.clear_gradient()
+    w.clear_gradient()
+    return result
+
+
+# (batch, in channels, side, out channels, kernel, stride, padding): every geometry the models use, and odd sides
+GEOMETRIES = [
+    (8, 1, 28, 20, 5, 1, 2),  # mnist_cnn's first
+    (8, 20, 14, 20, 5, 1, 2),  # its second
+    (4, 3, 32, 96, 3, 1, 1),  # minigooglenet's stem
+    (4, 96, 32, 32, 1, 1, 0),  # an inception module's 1x1
+    (4, 80, 32, 80, 3, 2, 0),  # a downsample module: 32 -> 15
+    (4, 80, 15, 48, 3, 2, 0),  # and an odd side: 15 -> 7
+    (4, 32, 30, 32, 3, 1, 0),  # cifar_cnn's unpadded 3x3
+    (3, 2, 9, 5, 3, 2, 1),  # padding with a stride that leaves a row over
+]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"{g[1]}x{g[2]}-k{g[4]}s{g[5]}p{g[6]}" for g in GEOMETRIES])
+def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry):
+    n, c, side, out, kernel, stride, padding = geometry
+    rng = np.random.default_rng(side * kernel + c)
+    x = paddle.to_tensor(rng.normal(size=(n, c, side, side)).astype("float32"))
+    w = paddle.to_tensor((rng.normal(size=(out, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype("float32"))
+    ours = output_and_grads(lambda x, w: op(x, w, stride, padding, True), x, w)
+    paddles = output_and_grads(lambda x, w: F.conv2d(x, w, stride=stride, padding=padding), x, w)
+    for name, a, b in zip(("output", "input gradient", "weight gradient"), ours, paddles):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize(("name", "shape"), [("mnist_cnn_bn_fc", (1, 28, 28)), ("minigooglenet", (3, 32, 32))])
+def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape):
+    paddle.seed(5)
+    net = models.build_model(name, 10, shape)
+    x, y = paddle.randn([4, *shape]), paddle.randint(0, 10, [4])
+    results = []
+    for active in (True, False):
+        onednn._op = op if active else None
+        net.clear_gradients()
+        paddle.seed(9)  # the same dropout masks
+        logits = net(x)
+        F.cross_entropy(logits, y).backward()
+        results.append((logits.numpy(), {k: p.grad.numpy() for k, p in net.named_parameters() if p.grad is not None}))
+    onednn._op = op
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
+    assert results[0][1].keys() == results[1][1].keys()
+    for key, grad in results[0][1].items():
+        np.testing.assert_allclose(grad, results[1][1][key], rtol=1e-3, atol=1e-5, err_msg=key)
+
+
+def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path):
+    """paddle.jit.save traces the network outside dygraph, where Conv2D takes F.conv2d: Paddle Inference and ONNX
+    get the operator they know, never the custom one."""
+    net = models.build_model("mnist_cnn_bn_fc", 10, (1, 28, 28))
+    net.eval()
+    spec = paddle.static.InputSpec([None, 1, 28, 28], "float32", "image")
+    paddle.jit.save(net, str(tmp_path / "model"), input_spec=[spec])
+    program = next(p for p in tmp_path.iterdir() if p.suffix in (".json", ".pdmodel")).read_bytes()
+    assert b"conv2d" in program and b"onednn_conv2d" not in program
+
+
+def test_openmp_threads_reach_both_runtimes():
+    """Paddle's CPU wheel loads MKL's Intel OpenMP and the GNU OpenMP its libdnnl.so.3 runs on: the trainer's
+    thread count is set in both, at 1 and at 2, in a fresh process."""
+    code = "import json, paddle; from paddle_mnist import onednn as o; "
+    code += "print(json.dumps([o.set_openmp_threads(n) for n in (1, 2)]))"
+    proc = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == [{"libgomp.so.1": 1, "libiomp5.so": 1}, {"libgomp.so.1": 2, "libiomp5.so": 2}]
+
+
+def test_missing_headers_leave_paddles_convolution_with_the_fix(monkeypatch):
+    monkeypatch.setattr(onednn, "HEADERS_PACKAGE", "no-such-onednn-headers")
+    prepared = onednn.prepare("auto")
+    assert prepared.library is None and "pip install" in prepared.reason
+    assert onednn.activate(prepared, "cpu") == f"convolutions: Paddle's ({prepared.reason})"
+    with pytest.raises(onednn.Unavailable, match="headers are not installed"):
+        onednn.prepare("onednn")
+
+
+BUILD = """
+import json, sys
+from paddle_mnist import onednn
+library, seconds = onednn.build()
+print(json.dumps([str(library), seconds]))
+"""
+
+
+def build_in(cache: Path, extra_env: dict | None = None) -> subprocess.Popen:
+    env = launch_env() | {"PADDLE_MNIST_CACHE": str(cache)} | (extra_env or {})
+    return subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def result(proc: subprocess.Popen) -> tuple[Path, float | None]:
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    library, seconds = json.loads(out.decode().strip().splitlines()[-1])
+    return Path(library), seconds
+
+
+@pytest.mark.slow
+def test_workers_of_one_machine_build_it_once_and_a_damaged_build_is_built_again(tmp_path):
+    cache = tmp_path / "cache"
+    first, second = build_in(cache), build_in(cache)  # two workers starting together on an empty cache
+    (a, a_s), (b, b_s) = result(first), result(second)
+    assert a == b and a.is_file()
+    assert sorted([a_s is None, b_s is None]) == [False, True], (a_s, b_s)  # one built, the other waited
+    record = json.loads((a.parent / "build.json").read_text())
+    assert record["build_seconds"] == round(a_s or b_s, 1) and record["paddle"] == paddle.__version__
+    assert sorted(p.name for p in (cache / "onednn_conv").iterdir()) == sorted([a.parent.name, a.parent.name + ".lock"])
+
+    a.write_bytes(a.read_bytes()[: a.stat().st_size // 2])  # damaged: its digest no longer matches
+    rebuilt, seconds = result(build_in(cache))
+    assert rebuilt == a and seconds is not None and onednn.intact(a.parent)
+
+    (a.parent / "build.json").unlink()  # interrupted before its record was written
+    rebuilt, seconds = result(build_in(cache))
+    assert rebuilt == a and seconds is not None and onednn.intact(a.parent)
+    found, seconds = result(build_in(cache))
+    assert found == a and seconds is None
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_run_trains_on_paddles_convolution_and_says_why(tmp_path):
+    data_dir = make_dataset(tmp_path / "mnist", n_train=512, n_test=100)
+    env = {"PADDLE_MNIST_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-compiler")}
+    args = [*SMALL, *TUTORIAL_CNN, "--data-dir", str(data_dir)]
+    ok = run_single([*args, "--output-dir", str(tmp_path / "auto")], cwd=tmp_path, env=env)
+    assert ok.returncode == 0, explain(ok)
+    said = [line.split("] ", 1)[1] for line in ok.stdout.splitlines() if "convolutions:" in line]
+    assert said == [f"convolutions: Paddle's (no C++ compiler ({env['CXX']}) to build it with (install g++))"]
+    assert read_results(tmp_path / "auto")["test_count"] == 100
+
+    refused = run_single(
+        [*args, "--conv-backend", "onednn", "--output-dir", str(tmp_path / "o")], cwd=tmp_path, env=env
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        f"error: --conv-backend onednn: no C++ compiler ({env['CXX']}) to build it with (install g++); "
+        "or pass --conv-backend auto"
+    ]
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_a_run_resumed_with_the_other_convolution_continues_from_its_checkpoint(tmp_path):
+    """The checkpoint holds weights and optimizer state only: which convolution made them does not matter."""
+    data_dir = make_dataset(tmp_path / "mnist", n_train=512, n_test=100)
+    args = [*SMALL, *TUTORIAL_CNN, "--data-dir", str(data_dir), "--output-dir", str(tmp_path / "o")]
+    first = run_single([*args, "--conv-backend", "onednn", "--save-every-steps", "4", "--max-steps", "4"], cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    assert "convolutions: oneDNN" in first.stdout
+    resumed = run_single([*args, "--conv-backend", "paddle", "--resume"], cwd=tmp_path)
+    assert resumed.returncode == 0, explain(resumed)
+    assert "convolutions: Paddle's (--conv-backend paddle)" in resumed.stdout
+    assert "resumed from" in resumed.stdout and read_results(tmp_path / "o")["steps"] == 8
