@@ -29,6 +29,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=PER_WORKER_BATCH, help="images per step")
     p.add_argument("--steps", type=int, default=20, help="profiled steps, after 5 warm-up steps")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--conv-backend", default="auto", choices=("auto", "onednn", "paddle"), help="as the trainer's flag")
     p.add_argument("--top", type=int, default=12, help="operators listed")
     args = p.parse_args()
     if not args.no_mkl_setting:
@@ -36,12 +37,14 @@ def main() -> int:
     import paddle  # after the MKL setting, which MKL reads at its first call
     import paddle.profiler as profiler
 
-    from paddle_mnist import models
+    from paddle_mnist import models, onednn
     from scripts import plain_loop
 
     if args.model not in models.MODELS:
         p.error(f"--model: choose from {', '.join(models.MODELS)}")
     paddle.base.core.set_num_threads(args.threads)
+    onednn.set_openmp_threads(args.threads)
+    print(onednn.activate(onednn.prepare("paddle" if args.plain else args.conv_backend), "cpu"))
     paddle.seed(0)
     shape = plain_loop.image_shape(args.model)
     if args.plain and args.model == "mnist_cnn":
@@ -73,6 +76,7 @@ def main() -> int:
     mkl = os.environ.get(cpu.MKL_CODE_PATH, "unset")
     print(
         f"{args.model}{' (plain layers)' if args.plain else ''}, batch {args.batch}, {args.threads} thread(s), "
+        f"{'oneDNN' if onednn.active() else 'Paddle'} convolutions, "
         f"{cpu.MKL_CODE_PATH}={mkl}: {rate:.0f} images/s unprofiled"
     )
     prof.summary(sorted_by=profiler.SortedKeys.CPUTotal, op_detail=False, thread_sep=False, time_unit="ms")

@@ -107,7 +107,8 @@ struct Backward {
         data_diff_src(g.src, data_pd.diff_src_desc()),
         weights_src(g.src, weights_pd.src_desc()),
         weights_diff_dst(g.dst, weights_pd.diff_dst_desc()),
-        weights_diff_weights(g.weights, weights_pd.diff_weights_desc()) {}
+        weights_diff_weights(g.weights, weights_pd.diff_weights_desc()),
+        share_diff_dst(data_pd.diff_dst_desc() == weights_pd.diff_dst_desc()) {}
 
   dnnl::convolution_backward_data::primitive_desc data_pd;
   dnnl::convolution_backward_weights::primitive_desc weights_pd;
@@ -115,6 +116,7 @@ struct Backward {
   dnnl::convolution_backward_weights weights;
   Operand data_diff_dst, data_weights, data_diff_src;
   Operand weights_src, weights_diff_dst, weights_diff_weights;
+  bool share_diff_dst;  // both want the output's gradient in the same layout: reorder it once
 };
 
 // The forward primitive of one geometry and its operands, and the backward ones once needed.
@@ -178,15 +180,17 @@ std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::
   Backward& p = plan_for(x, w, stride, padding).backward();
   auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
   float* grad_w_data = grad_w.data<float>();
+  memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
   p.weights.execute(cpu_stream(), {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
-                                   {DNNL_ARG_DIFF_DST, p.weights_diff_dst.input(grad_out.data<float>())},
+                                   {DNNL_ARG_DIFF_DST, diff_dst},
                                    {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff_weights.output(grad_w_data)}});
   p.weights_diff_weights.finish(grad_w_data);
   paddle::Tensor grad_x;
   if (input_grad) {
     grad_x = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
     float* grad_x_data = grad_x.data<float>();
-    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, p.data_diff_dst.input(grad_out.data<float>())},
+    if (!p.share_diff_dst) diff_dst = p.data_diff_dst.input(grad_out.data<float>());
+    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, diff_dst},
                                   {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
                                   {DNNL_ARG_DIFF_SRC, p.data_diff_src.output(grad_x_data)}});
     p.data_diff_src.finish(grad_x_data);
