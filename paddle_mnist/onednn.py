@@ -42,7 +42,8 @@ NAME = "onednn_conv"  # the library's name; the operator is onednn_conv2d
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
 HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
 BUILD_TIMEOUT_S = 900
-CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
+# float32 sums in another order: within 1e-4 of each value, or of the largest where values cancel to near 0
+CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-4
 
 # Run in a child process, so that a compiler or loader failure cannot take the trainer down with it:
 # paddle.utils.cpp_extension.load compiles with Paddle's own headers and flags, then loads the result once.
@@ -251,7 +252,7 @@ def check(op) -> None:
             ours = _output_and_grads(lambda: op(x, w, stride, padding, True), x, w)  # noqa: B023 (called here)
             paddles = _output_and_grads(lambda: F.conv2d(x, w, stride=stride, padding=padding), x, w)  # noqa: B023
             for name, a, b in zip(("output", "input gradient", "weight gradient"), ours, paddles):
-                if a.shape != b.shape or not np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+                if a.shape != b.shape or not np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL * np.abs(b).max()):
                     raise Unavailable(f"its {name} differs from F.conv2d's (stride {stride}, padding {padding})")
     finally:
         paddle.set_rng_state(rng)
@@ -304,6 +305,7 @@ def active() -> bool:
     return _op is not None
 
 
+@paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: it then takes F.conv2d
 def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int) -> paddle.Tensor:
     """F.conv2d(x, weight, stride=stride, padding=padding), by oneDNN where it is active and can run it."""
     if _op is not None and x.dtype == paddle.float32 and paddle.in_dynamic_mode() and x.place.is_cpu_place():
