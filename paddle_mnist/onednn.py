@@ -36,6 +36,8 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from .download import file_digest
+
 BACKENDS = ("auto", "onednn", "paddle")
 SOURCE = Path(__file__).with_name("csrc") / "onednn_conv.cc"
 NAME = "onednn_conv"  # the library's name; the operator is onednn_conv2d
@@ -133,19 +135,11 @@ def build_key(include: Path, libs: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def intact(folder: Path) -> bool:
     """A finished build: its record names the library's digest, and the library still has it."""
     try:
         record = json.loads((folder / "build.json").read_text())
-        return _sha256(folder / f"{NAME}.so") == record["sha256"]
+        return file_digest(folder / f"{NAME}.so", "sha256") == record["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -198,7 +192,7 @@ def build(root: Path | None = None) -> tuple[Path, float | None]:
             shutil.copyfile(scratch / "build" / NAME / f"{NAME}.so", staged / f"{NAME}.so")
             seconds = time.perf_counter() - started
             record = {
-                "sha256": _sha256(staged / f"{NAME}.so"),
+                "sha256": file_digest(staged / f"{NAME}.so", "sha256"),
                 "paddle": paddle.__version__,
                 "build_seconds": round(seconds, 1),
                 "compiler": compiler(),
