@@ -1,329 +1,22 @@
-"""The command line: parse, set up the workers, train, evaluate, save."""
+"""The command line: parse the flags, set up the worker, run the trainer, and turn what ended it into an exit
+status and one line."""
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-import paddle
-
-from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, onednn, summary
-from .checkpoint import CheckpointStore
-from .config import (
-    FOLDER,
-    RECIPES,
-    Config,
-    ConfigError,
-    effective_lr,
-    parse_args,
-    resolve_for_world,
-    stretch_for_steps,
-)
-from .distributed import DistEnv, LaunchError
+from . import chance, checkpoint, cpu, data, distributed, engine, launch, onednn
+from .config import ConfigError, parse_args, resolve_for_world
+from .launch import LaunchError
 from .lock import RunLock
-from .log import get_logger, memory_mb
-from .models import build_model, count_parameters
-from .outputs import BEST_WEIGHTS, RESULTS, WEIGHTS, RunFiles, WriteFailed, output_dir_problem
+from .log import get_logger
+from .outputs import WriteFailed
 from .preempt import Preempted, StopSignals, exit_code
-from .session import Session, check_best
-from .state import TrainState
-from .transfer import Feed
-
-
-def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Logger) -> None:
-    """Rank 0 takes the run's lock and judges --output-dir; every rank learns the verdict, so no worker waits on
-    one that quit. The lock is the whole job's: the other ranks, on this node or others, share rank 0's."""
-    problem = (lock.acquire() or output_dir_problem(cfg)) if env.is_main else None
-    if lock.taken_over:
-        log.warning(f"warning: took over {lock.path}, left by a run that no longer exists: {lock.taken_over}")
-    refused = distributed.all_reduce_sum([1.0 if problem else 0.0], env)[0]
-    if problem:
-        raise ConfigError(problem)
-    if refused:
-        raise ConfigError("rank 0 refused --output-dir; its message is in workerlog.0")
-
-
-def _log_start(
-    log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, splits: tuple, threads: int, steps_per_epoch: int
-):
-    train, val, test = splits
-    per_worker = cfg.batch_size // env.world_size
-    micro = f" ({cfg.accum_steps} micro-batches of {per_worker // cfg.accum_steps})" if cfg.accum_steps > 1 else ""
-    lr = effective_lr(cfg)
-    scaled = (
-        f" = {cfg.lr} x {cfg.batch_size}/{cfg.reference_batch} (linear scaling)" if cfg.lr_scaling == "linear" else ""
-    )
-    warmup = f", warmup {cfg.warmup_epochs:g} epochs" if cfg.warmup_epochs else ""
-    log.info(
-        f"batch: {per_worker} per worker{micro}, {cfg.batch_size} global; "
-        f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
-        f"epochs {cfg.epochs}{_stretched_text(cfg, len(train), steps_per_epoch)}"
-        + (f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "")
-        + (f", amp {cfg.amp}" if cfg.amp != "off" else "")
-    )
-    c, h, w = ds.image_shape
-    split_text = (
-        f"validation/test {len(val)} of {len(ds.test)} (the test split serves as validation)"
-        if ds.val_is_test
-        else f"validation {len(val)} of {len(ds.val)}, test {len(test)} of {len(ds.test)}"
-    )
-    shape = f"{c}x{h}x{w}, {len(ds.classes)} classes"
-    log.info(f"dataset {ds.name} ({shape}): train {len(train)} of {len(ds.train)}, {split_text}")
-    mean = ", ".join(f"{m:.4f}" for m in ds.mean)
-    std = ", ".join(f"{x:.4f}" for x in ds.std)
-    log.info(f"input: normalised with training mean ({mean}) and std ({std}); augmentation {_augment_text(cfg, ds)}")
-    mkl = os.environ.get(cpu.MKL_CODE_PATH)
-    avx2 = " (MKL's AVX2 kernels)" if mkl == cpu.AVX2_CODE_PATH else ""
-    log.info(
-        f"paddle {paddle.__version__}, CPU threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
-        + (f", {cpu.MKL_CODE_PATH}={mkl}{avx2}" if mkl else "")
-    )
-
-
-def _stretched_text(cfg: Config, train_images: int, steps_per_epoch: int) -> str:
-    recipe = RECIPES[cfg.model].epochs
-    if "epochs" not in cfg.from_recipe or cfg.epochs == recipe:
-        return ""
-    return (
-        f" (the recipe's {recipe} stretched to at least --min-steps {cfg.min_steps} optimizer steps: "
-        f"{train_images} training images make {steps_per_epoch} steps an epoch)"
-    )
-
-
-def _augment_text(cfg: Config, ds: data.Dataset) -> str:
-    if not cfg.augment:
-        return "off"
-    return augment.describe(augment.policy_for(ds.name, cfg.shift, cfg.flip))
-
-
-def _choose_checkpoint(store: CheckpointStore, cfg: Config, env: DistEnv, log: logging.Logger) -> Path | None:
-    """The newest intact checkpoint, chosen by rank 0 for every rank; damaged ones are set aside with a warning.
-
-    Intact: its SHA-256 matches and the restricted loader reads it. When checkpoints exist but none is intact,
-    the run stops before anything is overwritten.
-    """
-    chosen, tried = store.newest_intact(log.warning) if env.is_main and cfg.resume != "no" else (None, [])
-    step, failed = distributed.all_reduce_max_values(
-        [checkpoint.step_of(chosen) if chosen else -1, 1.0 if tried and not chosen else 0.0], env
-    )
-    if failed:
-        folder = Path(cfg.output_dir) / checkpoint.CKPT_DIR
-        what = f"tried, and set aside: {', '.join(tried)}" if env.is_main else "rank 0's log names what it tried"
-        raise ConfigError(
-            f"--resume: no intact checkpoint in {folder} ({what}); nothing was overwritten: restore a checkpoint, "
-            "or start afresh with --overwrite and without --resume"
-        )
-    return store.path(int(step)) if step >= 0 else None
-
-
-def _log_model(log: logging.Logger, cfg: Config, env: DistEnv, ds: data.Dataset, model) -> None:
-    if env.is_main:  # once per run: the headline, then paddle.summary's table of layers and output shapes
-        described = summary.describe(cfg.model, len(ds.classes), ds.image_shape)
-        for line in [described.headline(cfg.model), *described.table.splitlines()]:
-            log.info(line)
-    else:
-        log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
-
-
-def _check_start(cfg: Config, env: DistEnv) -> int:
-    """Refuse what this device cannot run; set the CPU threads. The threads per worker."""
-    if problem := distributed.amp_problem(cfg.amp, env.device, distributed.device_capability(env)):
-        raise ConfigError(problem)
-    if cfg.sync_bn and (problem := distributed.sync_bn_problem(env)):
-        raise ConfigError(problem)
-    threads = distributed.cpu_threads(cfg.cpu_threads, env.local_size)
-    if env.device == "cpu":
-        distributed.apply_cpu_threads(threads)
-        onednn.set_openmp_threads(threads)  # oneDNN's OpenMP runtime too, which Paddle's setting does not reach
-    return threads
-
-
-def _load_data(cfg: Config, env: DistEnv, log: logging.Logger) -> tuple[Config, data.Dataset]:
-    """The dataset, and the config with its class names (and for a folder the image size and channels it uses).
-
-    A folder is listed and checked by every rank; its cache is built by the first worker of each machine while the
-    others wait, and every rank learns whether that worked before any of them goes on.
-    """
-    if cfg.dataset != FOLDER:
-        ds = data.load_dataset(cfg.dataset, cfg.data_dir)
-        return dataclasses.replace(cfg, classes=ds.classes), ds
-    listing = folder.list_folder(cfg.data_dir)
-    request, cache = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
-    problem = None
-    if env.local_rank == 0:
-        try:
-            folder.ensure_cache(listing, request, cache, log)
-        except data.DataError as e:
-            problem = e
-    refused = distributed.all_reduce_sum([1.0 if problem else 0.0], env)[0]
-    if problem:
-        raise problem
-    if refused:
-        raise data.DataError("the folder was refused by the worker that decodes it; its message is in its log")
-    ds, manifest = folder.load(listing, request, cache)
-    width, height = manifest["size"]
-    if listing.ignored:
-        log.info(f"left out {len(listing.ignored)} files that are not images by their name, e.g. {listing.ignored[0]}")
-    if manifest["skipped"]:
-        log.warning(f"warning: left out {len(manifest['skipped'])} unreadable images: {'; '.join(manifest['skipped'])}")
-    numbered = folder.numbered(ds.classes)  # labels follow the sorted folder names: say which is which
-    log.info(f"classes ({len(ds.classes)}, labels by sorted folder name): {numbered}; images from the cache {cache}")
-    resolved = {"image_size": f"{width}x{height}", "channels": manifest["channels"], "classes": ds.classes}
-    return dataclasses.replace(cfg, **resolved), ds
-
-
-def _splits(cfg: Config, ds: data.Dataset, parts: int) -> tuple[data.Split, data.Split, data.Split]:
-    """The splits the run uses; parts: the micro-batches a global batch splits into (workers x --accum-steps)."""
-    train, val, test = ds.train.head(cfg.train_limit), ds.val.head(cfg.eval_limit), ds.test.head(cfg.eval_limit)
-    if len(train) < cfg.batch_size:
-        fits = len(train) - len(train) % parts
-        multiple = f" (a multiple of {parts})" if parts > 1 else ""
-        fix = f"pass --batch-size {fits} or less{multiple}" if fits else "add training images"
-        if 0 < cfg.train_limit < len(ds.train):
-            fix += " or raise --train-limit"
-        raise ConfigError(
-            f"the training split has {len(train)} images, fewer than one global batch of {cfg.batch_size}: {fix}"
-        )
-    return train, val, test
-
-
-def run(
-    cfg: Config,
-    env: DistEnv,
-    log: logging.Logger,
-    stop: StopSignals | None = None,
-    lock: RunLock | None = None,
-    convolutions: onednn.Prepared | None = None,
-) -> dict:
-    """The job: data, model, resume, train epoch by epoch, then the final weights, results and export."""
-    stop = stop or StopSignals()  # not installed: no signal is ever recorded
-    lock = lock or RunLock(cfg.output_dir)
-    threads = _check_start(cfg, env)
-    log.info(  # before the data: a folder's first cache build can take minutes
-        f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
-        f"backend {env.backend}, device {env.device}"
-    )
-    try:
-        log.info(onednn.activate(convolutions or onednn.prepare(cfg.conv_backend), env.device))
-    except onednn.Unavailable as e:
-        raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
-    cfg, ds = _load_data(cfg, env, log)
-    train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
-    feed = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
-    cfg = stretch_for_steps(cfg, len(feed))
-    _log_start(log, cfg, env, ds, (train, val_split, test), threads, len(feed))
-    _agree_output_dir(cfg, env, lock, log)
-
-    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(feed))
-    _log_model(log, cfg, env, ds, state.model)
-    store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
-    resumed = _choose_checkpoint(store, cfg, env, log)
-    if resumed:
-        contents = checkpoint.load(resumed)
-        if warning := state.restore(contents, resumed, env):
-            log.warning(warning)
-        if replanned := state.replan(contents.get("config", {})):
-            log.info(replanned)
-        del contents  # the checkpoint's arrays are no longer needed
-        log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
-    files = RunFiles(cfg, env, store)
-    files.start(state.epoch if resumed else None, state.step, log)
-    check_best(state, files, log)
-    state.start(env)
-
-    val = None
-    to_device = Feed(env.device)
-    levels = chance.LossLevels.of(train.labels, len(ds.classes), cfg.label_smoothing)
-    session = Session(
-        cfg, env, log, state, files, stop=stop, batches_per_epoch=len(feed), resumed=resumed, levels=levels
-    )
-    with session:
-        while session.training():
-            batches = feed.epoch(state.epoch, state.batch_in_epoch, session.batch_count(), stage=to_device.host)
-            epoch = engine.Epoch(state, batches, cfg, env, log, to_device)
-            for _ in epoch:
-                session.after_step(epoch.loss_sum)
-            session.average_statistics()
-            val = engine.evaluate(state.scored, val_split, ds, cfg, env, session.dog.alive)
-            if session.end_epoch(epoch.stats, val):
-                break
-    return _finish(cfg, env, log, state, files, session, ds, test, val)
-
-
-def _finish(cfg, env, log, state: TrainState, files: RunFiles, session: Session, ds, test, val) -> dict:
-    """The last weights, the test score (the last evaluation when it was on the test split), results, export; then
-    chance.LearnedNothing, on every rank alike, when the run stalled or its test accuracy is no better than chance."""
-    net = distributed.unwrap(state.scored)
-    files.save_weights(net)
-    final = val if val is not None and ds.val_is_test else engine.evaluate(net, test, ds, cfg, env)
-    verdict = session.verdict(final.acc, chance.AccuracyLevel.of(test.labels, len(ds.classes)))
-    peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log
-    best = state.best
-    result = {
-        "test_loss": final.loss,
-        "test_acc": final.acc,
-        "test_count": final.count,
-        "steps": state.step,
-        "world_size": env.world_size,
-        "global_batch_size": cfg.batch_size,
-        "wall_time_s": session.elapsed(),
-        "peak_rss_mb": peak_mb,
-        "best": {k: v for k, v in best.items() if k != "digest"} if best else None,
-        "exported": cfg.export if best else "last",
-        **verdict.fields(),
-    }
-    files.write_json(RESULTS, result)
-    session.meet(state.step)  # training is over: a signal from here on lets the run finish; a failed write stops it
-    log.info(f"parameters sha256 {checkpoint.digest(net)}")
-    log.info(
-        f"finished: test accuracy {final.acc:.4f} on {final.count} images, loss {final.loss:.4f}; "
-        f"peak memory {peak_mb:.0f} MiB; "
-        f"weights in {os.path.join(cfg.output_dir, WEIGHTS)}"
-    )
-    files.finish()
-    failed = _export(files, net, ds, cfg, best)  # last: if paddle.jit.save fails, weights and results are written
-    if distributed.all_reduce_max_values([failed is not None], env)[0]:
-        raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
-    distributed.barrier(env)
-    if verdict.message:
-        raise chance.LearnedNothing(verdict.message)
-    return result
-
-
-class ExportFailed(RuntimeError):
-    """paddle.jit.save failed after training; the weights and results were written before it."""
-
-
-def _export(files: RunFiles, net, ds: data.Dataset, cfg: Config, best: dict | None) -> ExportFailed | None:
-    """None, or the error to raise on every rank once they all know (rank 0 exports alone).
-
-    --export best exports model_best.pdparams; a run that never evaluated has no best and exports the last weights.
-    """
-    weights = "last"
-    try:
-        if cfg.export == "best" and best and files.enabled:
-            net = build_model(cfg.model, len(ds.classes), ds.image_shape)
-            checkpoint.set_weights(net, checkpoint.load(Path(files.out) / BEST_WEIGHTS), Path(files.out) / BEST_WEIGHTS)
-            weights = f"best: epoch {best['epoch']}, validation accuracy {best['val_acc']:.4f}"
-        elif cfg.sync_bn and files.enabled:  # export plain batch norm: a CPU predictor has no kernel for SyncBatchNorm
-            net = distributed.plain_batch_norm(net, build_model(cfg.model, len(ds.classes), ds.image_shape))
-        files.export_inference(net, ds, weights)
-    except Exception as e:
-        out = cfg.output_dir
-        failed = ExportFailed(
-            f"exporting the inference model to {os.path.join(out, 'inference')} failed ({type(e).__name__}: {e}); "
-            f"nothing else is lost: the weights are in {os.path.join(out, WEIGHTS)} and the results in "
-            f"{os.path.join(out, RESULTS)}. Fix the cause, then run the same command with --resume yes: "
-            "it loads the finished run's last checkpoint and exports again without training"
-        )
-        failed.__cause__ = e
-        return failed
-    return None
+from .trainer import ExportFailed, train_and_evaluate
 
 
 def _point_to_summary(log: logging.Logger) -> None:
@@ -334,7 +27,7 @@ def _point_to_summary(log: logging.Logger) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     code = _run_command(argv)
-    if code and distributed.launched_workers() > 1:
+    if code and launch.launched_workers() > 1:
         # The launcher reports the first worker's exit status and SIGTERMs the others as soon as one ends. Python
         # puts the default action back for signals it handles when it starts shutting down, so a worker still
         # tearing Paddle down (a second or more on a busy machine) would die of that SIGTERM, and the job would end
@@ -370,7 +63,7 @@ def _run_command(argv: list[str] | None) -> int:
     lock = RunLock(cfg.output_dir)
     stop.on_abort.append(lock.release)
     try:
-        run(resolve_for_world(cfg, env.world_size), env, log, stop, lock, convolutions)
+        train_and_evaluate(resolve_for_world(cfg, env.world_size), env, log, stop, lock, convolutions)
     except Preempted as e:
         log.warning(str(e))
         return exit_code(e.signum)

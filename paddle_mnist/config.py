@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_count(
         p,
         "--timing-every",
-        "time forward+backward, all-reduce and optimizer on every Nth step for the per-epoch breakdown (0: off)",
+        "time forward, backward (with its all-reduce) and optimizer every Nth step for the epoch's breakdown (0: off)",
     )
     p.add_argument(
         "--profile-steps",

@@ -1,5 +1,5 @@
-"""Choices about the CPU made before Paddle loads: MKL's AVX2 kernels on AMD processors, and a fixed malloc
-threshold."""
+"""Choices about the CPU: MKL's AVX2 kernels on AMD processors and a fixed malloc threshold, made before Paddle
+loads, and the threads each worker gets."""
 
 from __future__ import annotations
 
@@ -77,3 +77,10 @@ def steady_malloc(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
+
+
+def threads_per_worker(requested: int, local_size: int) -> int:
+    """--cpu-threads, or the cores divided among this node's workers, at least one."""
+    if requested:
+        return requested
+    return max(1, (os.cpu_count() or 1) // max(local_size, 1))

@@ -17,7 +17,6 @@ from . import data, timing
 from .config import Config
 from .distributed import (
     DistEnv,
-    all_reduce_gradients,
     all_reduce_max,
     all_reduce_sum,
     device_sync,
@@ -179,11 +178,6 @@ def amp_context(cfg: Config):
     return paddle.amp.auto_cast(dtype={"fp16": "float16", "bf16": "bfloat16"}[cfg.amp], level="O1")
 
 
-def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
-    """float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none."""
-    return paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.amp == "fp16" else None
-
-
 def global_grad_norm(params: list) -> paddle.Tensor:
     """The norm of all gradients together, as paddle.nn.ClipGradByGlobalNorm computes it (in float32)."""
     squares = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params if p.grad is not None]
@@ -198,8 +192,8 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
 
     Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
     mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
-    backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed:
-    every backward pass then runs under no_sync and the gradients are averaged afterwards, on their own.
+    backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed at
+    their boundaries and nothing else changes: DataParallel's all-reduce stays inside the last backward pass.
 
     images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU).
     """
@@ -209,20 +203,20 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
     if timer:
         timer.begin()
     for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
-        with gradient_sync(model, i == k - 1 and timer is None):
+        with gradient_sync(model, i == k - 1):
             with amp_context(cfg):
                 logits = model(x)
             if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
                 logits = logits.astype("float32")
             loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
             part = loss / k if k > 1 else loss
+            if timer:
+                timer.mark("forward")
             (scaler.scale(part) if scaler else part).backward()
+            if timer:
+                timer.mark("backward")
         loss_sums.append(loss.detach() * len(y))
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
-    if timer:
-        timer.mark("forward_backward")
-        all_reduce_gradients(model)
-        timer.mark("all_reduce")
     norm = None
     if cfg.clip_grad_norm:
         if scaler:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import paddle
 from paddle.base import core
 
-from .distributed import gpu_index
+from .launch import gpu_index
 
 CPU_DEVICE = -1  # the device field of a CPU GeneratorState (the first item of its __getstate__ tuple)
 

@@ -59,7 +59,8 @@ def epoch_row(cfg: Config, env: DistEnv, state: TrainState, stats: engine.EpochS
 
 def log_epoch(log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochStats) -> None:
     step_ms = 1000 * stats.own_seconds / max(stats.steps, 1)
-    log.info(f"epoch {row['epoch']} time per {timing.describe(stats.phase_shares, step_ms, stats.samples)}")
+    shares = timing.describe(stats.phase_shares, step_ms, stats.samples, row["world_size"])
+    log.info(f"epoch {row['epoch']} time per {shares}")
     log.info(
         f"epoch {row['epoch']}/{cfg.epochs} done: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f} ({row['val_count']} images) | "

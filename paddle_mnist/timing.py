@@ -6,12 +6,12 @@ import os
 import time
 from collections.abc import Callable
 
-SAMPLED = ("forward_backward", "all_reduce", "optimizer")  # timed on sampled steps only
+SAMPLED = ("forward", "backward", "optimizer")  # timed on sampled steps only
 EVERY_STEP = ("input_wait", "logging")  # host-side waits: two clock reads per step
 PHASES = (*SAMPLED, *EVERY_STEP, "other")
 LABELS = {
-    "forward_backward": "forward+backward",
-    "all_reduce": "all-reduce",
+    "forward": "forward",
+    "backward": "backward",  # and DataParallel's all-reduce, which it overlaps, where there are several workers
     "optimizer": "optimizer",
     "input_wait": "input wait",
     "logging": "logging/checkpoints",
@@ -23,8 +23,9 @@ class StepTimer:
     """Sums each phase's seconds over one epoch.
 
     On a sampled step the device is synchronised at every phase boundary (a no-op on CPU, where kernels run as
-    they are called) and the gradient all-reduce runs on its own after backward instead of inside it, so it can
-    be timed apart. Other steps are not touched, which keeps the cost to a few syncs every `every` steps.
+    they are called) and nothing else changes: the gradient all-reduce stays inside backward, where DataParallel
+    overlaps it with the computation, so it is timed as part of backward. Other steps are not touched, which keeps
+    the cost to a few syncs every `every` steps.
     """
 
     def __init__(self, every: int, sync: Callable[[], None]):
@@ -70,8 +71,9 @@ def shares(seconds: dict[str, float], samples: int, steps: int, elapsed: float) 
     return {p: out[p] for p in PHASES}
 
 
-def describe(share: dict[str, float | None], step_ms: float, samples: int) -> str:
-    parts = [f"{LABELS[p]} {100 * v:.1f}%" for p, v in share.items() if v is not None]
+def describe(share: dict[str, float | None], step_ms: float, samples: int, workers: int = 1) -> str:
+    labels = {**LABELS, "backward": "backward+all-reduce"} if workers > 1 else LABELS
+    parts = [f"{labels[p]} {100 * v:.1f}%" for p, v in share.items() if v is not None]
     return f"step {step_ms:.1f} ms: " + ", ".join(parts) + f" ({samples} sampled steps)"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from .distributed import gpu_index
+from .launch import gpu_index
 
 
 def pins(device: str) -> bool:

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paddle_mnist import cpu, data, distributed, plots
+from paddle_mnist import cpu, data, plots
 from paddle_mnist.config import PER_WORKER_BATCH
 from paddle_mnist.download import write_mnist_json
 from scripts.bench_input import generate_cifar_archive
@@ -130,7 +130,7 @@ def run_contender(args, contender: str, workers: int, work: Path) -> dict:
 
 def threads_for(workers: int) -> int:
     """What the trainer chooses by itself for this many workers on one node."""
-    return distributed.cpu_threads(0, workers)
+    return cpu.threads_per_worker(0, workers)
 
 
 def memory_runs(args, work: Path) -> list[dict]:

@@ -18,8 +18,10 @@ import sys
 import time
 from dataclasses import dataclass
 
+import paddle
+
 from paddle_mnist import config, cpu, data, engine
-from paddle_mnist.distributed import DistEnv, apply_cpu_threads
+from paddle_mnist.distributed import DistEnv
 from paddle_mnist.models import MODELS
 from paddle_mnist.state import TrainState
 
@@ -99,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=float, default=LIMIT, help="the mean loss over 10 steps to get below")
     args = p.parse_args(own)
     cpu.prefer_fast_kernels()
-    apply_cpu_threads(1)  # one core: a run's figures do not depend on how many the machine has
+    paddle.base.core.set_num_threads(1)  # one core: a run's figures do not depend on how many the machine has
     sys.stdout.reconfigure(line_buffering=True)
     print(f"at most {args.steps} steps; global batch of {args.workers} workers; flags: {' '.join(flags) or 'none'}")
     starts = []

@@ -13,7 +13,7 @@ import paddle
 import pytest
 from helpers import cifar_members, explain, param_digest, run_single, write_cifar_archive
 
-from paddle_mnist import checkpoint, cli, data, distributed, engine, export, rng, session, transfer
+from paddle_mnist import checkpoint, data, distributed, engine, export, launch, rng, session, trainer, transfer
 from paddle_mnist.config import Config
 from paddle_mnist.distributed import DistEnv
 from paddle_mnist.models import build_model
@@ -171,9 +171,9 @@ def test_the_legacy_launchers_two_machine_layout_counts_this_machines_workers():
         "PADDLE_RANK_IN_NODE": "1",
         "FLAGS_selected_gpus": "1",
     }
-    layout = distributed.launch_layout(worker)
-    assert layout == distributed.Layout(world=8, local_rank=1, local_size=4)
-    assert distributed.gpu_shortfall(layout.local_size, 4) is None
+    layout = launch.launch_layout(worker)
+    assert layout == launch.Layout(world=8, local_rank=1, local_size=4)
+    assert launch.gpu_shortfall(layout.local_size, 4) is None
 
 
 def test_the_current_launchers_layout_and_no_launcher():
@@ -189,19 +189,19 @@ def test_the_current_launchers_layout_and_no_launcher():
         "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
         "PADDLE_CURRENT_ENDPOINT": "10.0.0.2:6072",
     }
-    assert distributed.launch_layout(worker) == distributed.Layout(world=8, local_rank=2, local_size=4)
-    assert distributed.launch_layout({}) == distributed.Layout(world=1, local_rank=0, local_size=1)
-    assert distributed.gpu_shortfall(8, 4) is not None  # what the old count (every endpoint) ran into
+    assert launch.launch_layout(worker) == launch.Layout(world=8, local_rank=2, local_size=4)
+    assert launch.launch_layout({}) == launch.Layout(world=1, local_rank=0, local_size=1)
+    assert launch.gpu_shortfall(8, 4) is not None  # what the old count (every endpoint) ran into
 
 
 def test_a_worker_notices_that_master_dropped_selected_gpus():
     launcher = ["python", "-m", "paddle.distributed.launch", "--master", "10.0.0.1:8090", "--nnodes", "2"]
     flag = "--selected_gpus=0,1"
-    problem = distributed.gpu_request_problem(flag, [*launcher, flag, "train.py"], local_size=8)
+    problem = launch.gpu_request_problem(flag, [*launcher, flag, "train.py"], local_size=8)
     assert "ignores --selected_gpus" in problem and "--gpus 0,1" in problem and "8 worker(s)" in problem
-    assert distributed.gpu_request_problem(flag, ["python", "-m", "paddle.distributed.launch", flag], 2) is None
-    assert distributed.gpu_request_problem("--gpus 0,1,2,3", [*launcher, "--gpus", "0,1,2,3"], 4) is None
-    assert distributed.gpu_request_problem(None, launcher, 8) is None
+    assert launch.gpu_request_problem(flag, ["python", "-m", "paddle.distributed.launch", flag], 2) is None
+    assert launch.gpu_request_problem("--gpus 0,1,2,3", [*launcher, "--gpus", "0,1,2,3"], 4) is None
+    assert launch.gpu_request_problem(None, launcher, 8) is None
 
 
 @pytest.mark.parametrize(
@@ -218,7 +218,7 @@ def test_a_worker_notices_that_master_dropped_selected_gpus():
     ],
 )
 def test_amp_problem(amp, device, capability, refused):
-    problem = distributed.amp_problem(amp, device, capability)
+    problem = launch.amp_problem(amp, device, capability)
     if refused is None:
         assert problem is None
     else:
@@ -306,7 +306,7 @@ def test_the_export_after_sync_bn_holds_plain_batch_norm_with_the_same_weights(t
 
 
 def test_the_runs_export_after_sync_bn_has_no_sync_batch_norm_and_classifies_on_cpu(tmp_path):
-    """cli._export, as the end of a --sync-bn run calls it with the converted network: the export it writes runs on
+    """trainer._export, as the end of a --sync-bn run calls it with the converted network: the export it writes runs on
     CPU through the predictor and gives the plain network's logits (exporting the converted one fails on CPU)."""
     paddle.set_device("cpu")
     synced = sync_bn_network()
@@ -316,7 +316,7 @@ def test_the_runs_export_after_sync_bn_has_no_sync_batch_norm_and_classifies_on_
     pixels = np.random.RandomState(0).randint(0, 256, (4, 1, 28, 28)).astype(np.uint8)
     split = data.Split(pixels[:2], np.zeros(2, np.int64))
     ds = data.Dataset("mnist", split, split, split, mean=(0.5,), std=(0.25,), classes=data.DIGITS)
-    assert cli._export(files, synced, ds, cfg, best=None) is None
+    assert trainer._export(cfg, files, synced, ds, best=None) is None
     meta = export.read_export(tmp_path / "out" / "inference")
     program = tmp_path / "out" / export.program_files(meta["files"])[0]
     if program.suffix == ".json":  # 3.x's program as text; 2.6's .pdmodel also names every registered operator

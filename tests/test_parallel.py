@@ -199,28 +199,25 @@ def test_two_nodes_on_loopback_equal_one_process(one_and_two, dataset, tmp_path)
     assert not (tmp_path / "node1").exists()  # only global rank 0 writes
 
 
-def test_timed_steps_average_gradients_like_data_parallel(one_and_two, dataset, tmp_path):
-    """--timing-every 1 times every step: backward under no_sync, then the gradients averaged by hand.
-
-    The weights must match the untimed run's, where DataParallel averaged them inside backward, and every
-    worker logs where its step time went.
-    """
+def test_timing_every_step_leaves_the_training_unchanged(one_and_two, dataset, tmp_path):
+    """--timing-every 1 times every step's phases, the all-reduce left inside backward where DataParallel runs it:
+    the weights are the untimed run's to the bit, and every worker logs where its step time went."""
     args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "2", "--timing-every", "1"]
     proc = run_launch([*args, "--output-dir", str(tmp_path / "timed")], cwd=tmp_path, log_dir=tmp_path / "log")
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
     untimed = weights(one_and_two / "two" / "model.pdparams")
     timed = weights(tmp_path / "timed" / "model.pdparams")
     for name in untimed:
-        np.testing.assert_allclose(timed[name], untimed[name], atol=1e-6, rtol=0, err_msg=name)
+        np.testing.assert_array_equal(timed[name], untimed[name], err_msg=name)
     for rank in (0, 1):
         text = worker_log(tmp_path / "log", rank)
         line = next(x for x in text.splitlines() if f"[rank {rank}/2] epoch 2 time per step" in x)
-        for phase in ("forward+backward", "all-reduce", "optimizer", "input wait", "logging/checkpoints", "other"):
+        for phase in ("forward", "backward+all-reduce", "optimizer", "input wait", "logging/checkpoints", "other"):
             assert f" {phase} " in line, line
         assert "(8 sampled steps)" in line
     shares = read_metrics(tmp_path / "timed")[-1]["step_time_shares"]
-    assert set(shares) == {"forward_backward", "all_reduce", "optimizer", "input_wait", "logging", "other"}
-    assert shares["forward_backward"] > 0.3 and shares["all_reduce"] > 0 and shares["optimizer"] > 0
+    assert set(shares) == {"forward", "backward", "optimizer", "input_wait", "logging", "other"}
+    assert shares["forward"] > 0.1 and shares["backward"] > 0.2 and shares["optimizer"] > 0
     assert sum(shares.values()) == pytest.approx(1.0)
     # the default samples every 25th step: 8 steps per epoch means none was timed, and the log says only what it saw
     default_line = next(x for x in worker_log(one_and_two / "log", 0).splitlines() if "epoch 2 time per step" in x)

@@ -221,7 +221,7 @@ def test_cifar_models_train_a_few_steps_on_two_workers(tmp_path, model):
 def test_amp_bf16_on_cpu_computes_in_float32():
     """Why --amp bf16 is refused on CPU: inside the trainer's auto_cast the network still computes in float32
     (Paddle leaves AMP off on CPU). A Paddle that does compute in bfloat16 here fails this test: then the refusal
-    in distributed.amp_problem and docs/training.md's Mixed precision paragraph are to be revisited."""
+    in launch.amp_problem and docs/training.md's Mixed precision paragraph are to be revisited."""
     paddle.set_device("cpu")
     cfg = config.Config(amp="bf16")
     net = build_model(cfg.model)

@@ -167,7 +167,7 @@ def test_prefetch_passes_errors_through():
 
 def test_more_workers_than_gpus_is_refused_with_the_fix():
     """The GPU check's logic; the GPU path itself cannot run on these CPU-only machines."""
-    from paddle_mnist.distributed import gpu_shortfall
+    from paddle_mnist.launch import gpu_shortfall
 
     assert gpu_shortfall(4, 4) is None and gpu_shortfall(2, 8) is None
     message = gpu_shortfall(4, 2)
@@ -178,16 +178,16 @@ def test_more_workers_than_gpus_is_refused_with_the_fix():
 def test_step_time_shares_use_sampled_means_for_timed_phases():
     from paddle_mnist import timing
 
-    # 10 steps in 2.0 s (0.2 s each); 2 sampled steps spent 0.2 s in forward+backward, 0.04 s all-reducing,
-    # 0.02 s in the optimizer; every step waited 0.001 s for input and 0.002 s logging
-    seconds = {"forward_backward": 0.2, "all_reduce": 0.04, "optimizer": 0.02, "input_wait": 0.01, "logging": 0.02}
+    # 10 steps in 2.0 s (0.2 s each); 2 sampled steps spent 0.2 s in forward, 0.04 s in backward, 0.02 s in the
+    # optimizer; every step waited 0.001 s for input and 0.002 s logging
+    seconds = {"forward": 0.2, "backward": 0.04, "optimizer": 0.02, "input_wait": 0.01, "logging": 0.02}
     got = timing.shares(seconds, samples=2, steps=10, elapsed=2.0)
-    want = {"forward_backward": 0.5, "all_reduce": 0.1, "optimizer": 0.05, "input_wait": 0.005, "logging": 0.01}
+    want = {"forward": 0.5, "backward": 0.1, "optimizer": 0.05, "input_wait": 0.005, "logging": 0.01}
     for phase, value in want.items():
         assert got[phase] == pytest.approx(value)
     assert got["other"] == pytest.approx(1 - sum(want.values()))
     unsampled = timing.shares(seconds, samples=0, steps=10, elapsed=2.0)
-    assert unsampled["forward_backward"] is None and unsampled["other"] is None
+    assert unsampled["forward"] is None and unsampled["other"] is None
     assert unsampled["input_wait"] == pytest.approx(0.005)
 
 
@@ -206,7 +206,7 @@ def test_step_timer_samples_every_nth_step(monkeypatch):
         for phase in timing.SAMPLED:
             timer.mark(phase)
     assert timer.samples == 2 and len(syncs) == 8  # the device is synchronised at every phase boundary
-    want = {"forward_backward": 0.75, "all_reduce": 0.5, "optimizer": 0.375, "input_wait": 0.0, "logging": 0.0}
+    want = {"forward": 0.75, "backward": 0.5, "optimizer": 0.375, "input_wait": 0.0, "logging": 0.0}
     assert timer.seconds == want
 
 
