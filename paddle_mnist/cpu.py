@@ -29,8 +29,8 @@ def mkl_settings(cpuinfo: str, environ: MutableMapping[str, str]) -> dict[str, s
 
     The MKL that Paddle's CPU wheels bundle picks its kernels by the processor's vendor, not its features: on an
     AMD processor it runs its generic SSE kernels, even where AVX2 and FMA are there. MKL_DEBUG_CPU_TYPE=5 makes it
-    take the AVX2 path, which the convolutions of every model here run through (1.3 to 2.5x faster on this
-    project's AMD EPYC machines, docs/performance.md). Set only for AMD processors that have AVX2 and FMA (the
+    take the AVX2 path, which the convolutions of every model here run through (the gain measured is in
+    docs/performance.md). Set only for AMD processors that have AVX2 and FMA (the
     path would crash without them) and never over a value the user chose.
     """
     vendor, flags = cpu_flags(cpuinfo)
@@ -64,9 +64,8 @@ def steady_malloc(environ: MutableMapping[str, str] = os.environ) -> bool:
     glibc serves an allocation at or above its mmap threshold (128 KiB at the start) with a fresh memory mapping
     and unmaps it when it is freed, and it raises the threshold to the size of each such block freed, up to 32 MiB.
     So whether the activation-sized buffers of a training step come from the heap or from fresh mappings, which
-    fault in page by page on every step, depends on what the process happened to free before training: the same
-    run from a folder's cache took 45 to 47 ms a step, its pooling and batch norm backward passes 1.5 to 3 times
-    slower, and 39 to 40 ms with the threshold fixed (docs/performance.md). Nothing is set where the user set
+    fault in page by page on every step, depends on what the process happened to free before training, and the
+    same run's step time with it (docs/performance.md has the figures). Nothing is set where the user set
     either threshold (environment variables or GLIBC_TUNABLES), or where the C library is not glibc.
     """
     if any(name in environ for name in USER_MALLOC_SETTINGS) or "threshold" in environ.get("GLIBC_TUNABLES", ""):

@@ -151,8 +151,9 @@ SIGNALLED = Failure(
     "nothing is broken: continue with --resume auto (the stop line gives the whole command); a stop during start-up "
     "had nothing to save, so just run the command again",
 )
-# a bus error before the watchdog: a worker whose signal handler hung after the bus error (see cli.py) can be
-# ended later by its own watchdog, and the bus error is the cause
+# The failures in the order they are tried, the first that matches naming the cause. SHARED_MEMORY (a bus error)
+# comes before WATCHDOG: a worker whose signal handler hung after the bus error (see cli.py) can be ended later by
+# its own watchdog, and the bus error is the cause.
 KNOWN = (DIVERGED, LEARNED_NOTHING, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
 KILLED = Failure(
     "killed",

@@ -44,7 +44,7 @@ class Conv2D(nn.Conv2D):
 
 class MaxPool2D(nn.MaxPool2D):
     """nn.MaxPool2D that, in training, also keeps where each window's maximum was: the same output, and a backward
-    pass 10x cheaper (3.0 against 0.29 ms on a 64x20x28x28 map, docs/performance.md).
+    pass that only scatters (docs/performance.md has its cost against Paddle's).
 
     Paddle's max-pool backward on the CPU searches every window again for the input equal to its maximum; the
     kernel that returns the mask records that position in the forward pass (the first maximum, as the search
@@ -76,9 +76,10 @@ class MnistCNN(nn.Layer):
 
     batch_norm=True (model mnist_cnn_bn) puts batch norm between each conv and its ReLU; the conv then drops its
     bias, which the norm's shift replaces. hidden=N (model mnist_cnn_bn_fc: batch norm and N=256) puts a dense layer
-    of N units and ReLU before the classifier: the convolutions stay as they are (90% of the multiply-adds) and the
-    network reaches 91% on Fashion-MNIST in half the epochs. Without batch norm each block runs as conv_relu_pool;
-    with it, ReLU moves after the pool (relu(max) = max(relu), to the bit) and runs on a quarter of the values.
+    of N units and ReLU before the classifier: the convolutions stay as they are (most of the multiply-adds) and the
+    network reaches mnist_cnn's accuracy in fewer epochs (docs/results.md). Without batch norm each block runs as
+    conv_relu_pool; with it, ReLU moves after the pool (relu(max) = max(relu), to the bit) and runs on a quarter of
+    the values.
     plain=True builds the tutorial's own layers (nn.Conv2D) and runs them one after another: the reference that
     tests and benchmarks hold the fast network against. Both hold the same parameters under the same names, so
     weights load into either.

@@ -9,8 +9,6 @@ from paddle.base import core
 
 from .launch import gpu_index
 
-CPU_DEVICE = -1  # the device field of a CPU GeneratorState (the first item of its __getstate__ tuple)
-
 
 def own_states(device: str, cpu_state: object, visible_gpu_states: Sequence) -> dict:
     """What a rank saves: the CPU generator and, on a GPU, its own device's generator only.
@@ -22,21 +20,6 @@ def own_states(device: str, cpu_state: object, visible_gpu_states: Sequence) -> 
     return {"device": device, "cpu": cpu_state, "gpu": visible_gpu_states[gpu] if gpu is not None else None}
 
 
-def from_legacy(states: Sequence, world_size: int) -> list[dict]:
-    """The per-rank form of a checkpoint written before it had one: paddle.get_rng_state() of rank 0's place.
-
-    A CPU list (one state) is what every rank restored then, so it still is. A GPU list holds one state per GPU
-    visible to rank 0, without saying which one each rank used: none is restored.
-    """
-    if len(states) == 1 and _state_device(states[0]) == CPU_DEVICE:
-        return [{"device": "cpu", "cpu": states[0], "gpu": None}] * world_size
-    return []
-
-
-def _state_device(state: object) -> int:
-    return int(state.__getstate__()[0])
-
-
 def to_restore(saved: Sequence[dict], rank: int, world_size: int, device: str) -> tuple[dict, str | None]:
     """The states this rank restores ({"cpu": state or None, "gpu": state or None}) and one warning line naming
     what the checkpoint holds that this job cannot use, or lacks, or None when every rank finds its own.
@@ -46,9 +29,7 @@ def to_restore(saved: Sequence[dict], rank: int, world_size: int, device: str) -
     """
     notes = []
     n = len(saved)
-    if n == 0:
-        notes.append("it holds no per-worker random generator states (written on GPUs by an older version)")
-    elif n > world_size:
+    if n > world_size:
         notes.append(f"the states of {_ranks(world_size, n)} are dropped ({n} workers saved, {world_size} now)")
     elif n < world_size:
         notes.append(f"no state is saved for {_ranks(n, world_size)} ({n} workers saved, {world_size} now)")

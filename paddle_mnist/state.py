@@ -178,13 +178,10 @@ class TrainState:
         if self.ema:  # a checkpoint from before --ema was turned on starts the average from its weights
             checkpoint.set_weights(self.ema.net, contents.get("ema") or contents["model"], path, RESUME_FIX)
         saved_rng = contents["rng"]
-        by_rank = saved_rng.get("by_rank")
-        if by_rank is None:  # written before checkpoints kept every rank's states
-            by_rank = rng.from_legacy(saved_rng["paddle"], env.world_size)
-        chosen, warning = rng.to_restore(by_rank, env.rank, env.world_size, env.device)
+        chosen, warning = rng.to_restore(saved_rng["by_rank"], env.rank, env.world_size, env.device)
         rng.apply(chosen, env.device)
         np.random.set_state(saved_rng["numpy"])
         self.epoch, self.batch_in_epoch, self.step = (int(contents[k]) for k in ("epoch", "batch_in_epoch", "step"))
-        self.trained_before = float(contents.get("elapsed_s", 0.0))  # older checkpoints lack it
-        self.best = contents.get("best")  # older checkpoints lack it: the best is then counted from here
+        self.trained_before = float(contents["elapsed_s"])
+        self.best = contents["best"]
         return warning

@@ -96,16 +96,6 @@ def test_more_workers_than_saved_and_cpu_states_on_a_gpu_are_named():
     assert "rank 1's GPU generator has no saved state (saved on cpu)" in warning
 
 
-def test_checkpoints_from_before_per_rank_states():
-    """A CPU checkpoint's one state serves every rank, as it did; a GPU one's list of visible GPUs is unusable."""
-    cpu = generator_state(-1, 5)
-    legacy = rng.from_legacy([cpu], 2)
-    assert [rng.to_restore(legacy, r, 2, "cpu") for r in (0, 1)] == [({"cpu": cpu, "gpu": None}, None)] * 2
-    gpus = rng.from_legacy([generator_state(i, 9) for i in range(8)], 4)
-    chosen, warning = rng.to_restore(gpus, 1, 4, "gpu:1")
-    assert chosen == {"cpu": None, "gpu": None} and "holds no per-worker random generator states" in warning
-
-
 def test_applying_a_saved_cpu_state_continues_its_dropout_stream():
     paddle.set_device("cpu")
     paddle.seed(3)
