@@ -175,9 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --augment: largest random shift in pixels, 0 for flips only "
         "(None: 4 for cifar10, 2 for the 28x28 datasets)",
     )
-    from .models import MODELS  # the registry names the models; imported here, so config loads without Paddle
-
-    p.add_argument("--model", default=d.model, choices=tuple(MODELS), help="network to train")
+    p.add_argument("--model", default=d.model, choices=tuple(RECIPES), help="network to train")
     p.add_argument(
         "--epochs",
         type=_non_negative("--epochs"),
