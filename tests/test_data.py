@@ -8,6 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -471,6 +472,17 @@ def test_prefetch_passes_errors_through():
     assert next(it) == 1
     with pytest.raises(data.DataError, match="bad batch"):
         next(it)
+
+
+def test_the_prefetch_stage_runs_in_the_background_thread():
+    threads = []
+
+    def stage(item):
+        threads.append(threading.current_thread())
+        return item * 10
+
+    assert list(data.prefetch(iter([1, 2, 3]), stage=stage)) == [10, 20, 30]
+    assert len(threads) == 3 and threading.main_thread() not in threads
 
 
 # ---- through the trainer ----
