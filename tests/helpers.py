@@ -1,4 +1,4 @@
-"""Shared by the tests: small datasets in the real formats (idx, CIFAR-10, mnist.json.gz), and running the trainer."""
+"""Shared by the tests: small datasets in the real formats (idx, CIFAR-10, mnist.json.gz), short runs of the trainer."""
 
 from __future__ import annotations
 
