@@ -1,4 +1,4 @@
-"""Shared by the tests: small datasets in the real formats (idx, CIFAR-10, mnist.json.gz), and running the trainer."""
+"""Shared by the tests: small datasets in the real formats (idx, CIFAR-10, mnist.json.gz), short runs of the trainer."""
 
 from __future__ import annotations
 
@@ -30,6 +30,33 @@ TUTORIAL_CNN = ["--model", "mnist_cnn", "--warmup-epochs", "0"]
 # MNIST-type data trains with random shifts by default; the tests that compare a run with one process, or with
 # another run, were written for unshifted batches and keep them
 PLAIN_MNIST = ["--dataset", "mnist", "--no-augment"]
+
+
+def small_run(
+    *,
+    train_limit: int | None = 512,
+    eval_limit: int | None = 201,
+    batch_size: int | None = None,
+    epochs: int | None = None,
+    log_every: int | None = 4,
+    lr: float | None = 0.02,
+    tutorial_cnn: bool = True,
+) -> list[str]:
+    """The flags of the tests' short runs on PLAIN_MNIST data, by default with TUTORIAL_CNN's network; the default
+    limits take all of conftest's dataset (512 training, 201 test images). None leaves a flag to the trainer. A test
+    adds --data-dir, --output-dir and its own flags after these: where it repeats one of them, its value wins."""
+    flags = [*PLAIN_MNIST]
+    for flag, value in (
+        ("--train-limit", train_limit),
+        ("--eval-limit", eval_limit),
+        ("--batch-size", batch_size),
+        ("--epochs", epochs),
+        ("--log-every", log_every),
+        ("--lr", lr),
+    ):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags + (TUTORIAL_CNN if tutorial_cnn else [])
 
 
 def idx_bytes(array: np.ndarray) -> bytes:

@@ -12,13 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import PLAIN_MNIST, TRAIN_PY, TUTORIAL_CNN, explain, launch_env, make_dataset, run_single, worker_log
+from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_single, small_run, worker_log
 
 from paddle_mnist import checkpoint
 
-ARGS = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--epochs", "2"]
-ARGS += TUTORIAL_CNN
-ARGS += ["--log-every", "0", "--lr", "0.02"]  # 8 steps an epoch
+ARGS = small_run(eval_limit=64, batch_size=64, epochs=2, log_every=0)  # 8 steps an epoch
 
 
 class Payload:

@@ -1,4 +1,4 @@
-"""The input side: every format loads, every kind of damage is named, pickles cannot run code, augmentation is exact."""
+"""The input side (data, formats, augment): formats load or name their damage, pickles run no code, shards are exact."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 from helpers import (
+    REPO,
     cifar_batch_bytes,
     cifar_members,
     explain,
+    idx_bytes,
     make_colour_images,
+    make_dataset,
     make_images,
     mnist_json_tree,
     read_metrics,
@@ -25,6 +29,7 @@ from helpers import (
     worker_log,
     write_cifar_archive,
     write_cifar_folder,
+    write_idx,
     write_mnist_json,
 )
 
@@ -283,12 +288,77 @@ def test_damaged_mnist_json_names_the_file_and_the_problem(tmp_path, kind):
 
 
 def test_empty_idx_file_is_refused(tmp_path):
-    from helpers import make_dataset
-
     make_dataset(tmp_path, n_train=30, n_test=7, checksums=False)
     (tmp_path / "train-labels-idx1-ubyte.gz").write_bytes(b"")
     with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.gz: 0 bytes is too short"):
         data.load_dataset("mnist", str(tmp_path))
+
+
+# ---- idx files, checksums, the shipped datasets ----
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_idx_files_load_gzipped_or_plain(tmp_path, compress):
+    make_dataset(tmp_path, n_train=30, n_test=7, compress=compress)
+    split = data.load_split(tmp_path, "test")
+    assert split.images.shape == (7, 1, 28, 28) and split.images.dtype == np.uint8
+    assert split.labels.dtype == np.int64 and len(split) == 7
+
+
+def test_wrong_magic_number_names_the_file(tmp_path):
+    raw = bytearray(idx_bytes(np.zeros((3, 28, 28), np.uint8)))
+    raw[3] = 2
+    with pytest.raises(data.DataError, match="wrong magic number"):
+        formats.parse_idx(bytes(raw), tmp_path / "x", 3)
+
+
+def test_truncated_file_is_refused(tmp_path):
+    raw = idx_bytes(np.zeros((3, 28, 28), np.uint8))
+    with pytest.raises(data.DataError, match="header promises"):
+        formats.parse_idx(raw[:-5], tmp_path / "x", 3)
+
+
+def test_truncated_gzip_is_refused(tmp_path):
+    make_dataset(tmp_path, n_train=30, n_test=7)
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-20])
+    (tmp_path / "SHA256SUMS").unlink()
+    with pytest.raises(data.DataError, match="t10k-images-idx3-ubyte.gz"):
+        data.load_split(tmp_path, "test")
+
+
+def test_label_count_must_match_image_count(tmp_path):
+    make_dataset(tmp_path, n_train=30, n_test=7)
+    write_idx(tmp_path / "t10k-labels-idx1-ubyte", np.zeros(6, np.uint8))
+    with pytest.raises(data.DataError, match="7 images but 6 labels"):
+        data.load_split(tmp_path, "test")
+
+
+def test_checksum_mismatch_is_refused(tmp_path):
+    make_dataset(tmp_path, n_train=30, n_test=7)
+    path = tmp_path / "t10k-labels-idx1-ubyte.gz"
+    path.write_bytes(gzip.compress(idx_bytes(np.ones(7, np.uint8))))
+    with pytest.raises(data.DataError, match="SHA-256 does not match"):
+        data.load_dataset("mnist", str(tmp_path))
+
+
+def test_shipped_fashion_mnist_is_intact():
+    ds = data.load_dataset("fashion-mnist")
+    assert (len(ds.train), len(ds.test)) == (60000, 10000)
+    assert np.bincount(ds.test.labels).tolist() == [1000] * 10
+    assert (REPO / "data" / "fashion-mnist" / "LICENSE").is_file()
+
+
+def test_normalise_uses_the_training_statistics():
+    ds = data.load_dataset("fashion-mnist")
+    x = data.normalise(ds.train.images[:20000], ds.mean, ds.std)
+    assert x.shape == (20000, 1, 28, 28) and x.dtype == np.float32
+    assert abs(float(x.mean())) < 0.02 and abs(float(x.std()) - 1) < 0.02
+
+
+def test_datasets_are_read_from_the_checkouts_data_folder():
+    """Run from a checkout (pyproject.toml beside the package), the default is the shipped data/ there."""
+    assert data.REPO_DATA == REPO / "data" and (data.REPO_DATA / "fashion-mnist" / data.SUMS).is_file()
 
 
 # ---- augmentation ----
@@ -347,6 +417,72 @@ def test_batches_resume_mid_epoch_with_the_same_augmentation():
     plain = next(data.batches(split, ds, index_batches[:1]))[0]
     np.testing.assert_array_equal(plain, data.normalise(split.images[:8], ds.mean, ds.std))
     assert not np.array_equal(plain, whole[0][0])
+
+
+def test_shift_zero_leaves_only_flips():
+    policy = augment.policy_for("fashion-mnist", 0)
+    assert policy == augment.Augment(pad=0, flip=True) and augment.policy_for("cifar10").pad == 4
+    images = np.random.default_rng(0).integers(0, 256, (64, 1, 28, 28), dtype=np.uint8)
+    out = augment.shift_and_flip(images, policy, augment.batch_rng(0, 0, 0, 0))
+    same = [np.array_equal(o, i) for o, i in zip(out, images)]
+    mirrored = [np.array_equal(o, i[:, :, ::-1]) for o, i in zip(out, images)]
+    assert all(s or m for s, m in zip(same, mirrored))
+    assert 10 < sum(mirrored) < 54  # about half flipped
+    assert augment.describe(policy) == "horizontal flips"
+
+
+# ---- shards, the sampler, prefetch ----
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 10000, 10001])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_eval_shards_cover_every_image_once(n, world):
+    seen = np.concatenate([np.arange(n)[data.eval_shard(n, r, world)] for r in range(world)])
+    assert sorted(seen.tolist()) == list(range(n))
+
+
+def test_sampler_gives_each_worker_its_part_of_every_global_batch():
+    """Rank r's k-th batch is the r-th slice of the one-process k-th global batch."""
+    n, global_batch = 1000, 96
+    one = data.make_sampler(n, global_batch, 0, 1)
+    two = [data.make_sampler(n, global_batch // 2, r, 2) for r in range(2)]
+    for s in (one, *two):
+        s.set_epoch(data.sampler_epoch(7, 3))
+    full, halves = list(one), [list(s) for s in two]
+    assert len(full) == len(halves[0]) == len(halves[1]) == n // global_batch
+    for k, batch in enumerate(full):
+        assert halves[0][k] + halves[1][k] == batch
+
+
+def test_seed_changes_the_data_order():
+    orders = []
+    for seed in (1, 2):
+        s = data.make_sampler(100, 10, 0, 1)
+        s.set_epoch(data.sampler_epoch(seed, 0))
+        orders.append(next(iter(s)))
+    assert orders[0] != orders[1]
+
+
+def test_prefetch_passes_errors_through():
+    def broken():
+        yield 1
+        raise data.DataError("bad batch")
+
+    it = data.prefetch(broken())
+    assert next(it) == 1
+    with pytest.raises(data.DataError, match="bad batch"):
+        next(it)
+
+
+def test_the_prefetch_stage_runs_in_the_background_thread():
+    threads = []
+
+    def stage(item):
+        threads.append(threading.current_thread())
+        return item * 10
+
+    assert list(data.prefetch(iter([1, 2, 3]), stage=stage)) == [10, 20, 30]
+    assert len(threads) == 3 and threading.main_thread() not in threads
 
 
 # ---- through the trainer ----

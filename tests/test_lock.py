@@ -11,22 +11,20 @@ import sys
 
 import pytest
 from helpers import (
-    PLAIN_MNIST,
     TRAIN_PY,
-    TUTORIAL_CNN,
     explain,
     launch_env,
     make_dataset,
     run_launch,
     run_single,
+    small_run,
     wait_for,
     worker_log,
 )
 
 from paddle_mnist.lock import LOCK_NAME, RunLock
 
-ARGS = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "64", "--batch-size", "64", "--log-every", "1"]
-ARGS += TUTORIAL_CNN
+ARGS = small_run(eval_limit=64, batch_size=64, log_every=1, lr=None)
 
 
 def dead_pid() -> int:

@@ -18,21 +18,19 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    PLAIN_MNIST,
     TRAIN_PY,
-    TUTORIAL_CNN,
     free_port,
     launch_env,
     make_dataset,
     rank_pid,
     reaped,
+    small_run,
     wait_for,
 )
 
 from paddle_mnist.logs import LogsError, main, summarise
 
-ARGS = [*PLAIN_MNIST, "--batch-size", "64", "--log-every", "4", "--lr", "0.02"]
-ARGS += TUTORIAL_CNN
+ARGS = small_run(train_limit=None, eval_limit=None, batch_size=64)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 from helpers import (
-    PLAIN_MNIST,
     TRAIN_PY,
     exited,
     launch_env,
     make_dataset,
     rank_pid,
+    small_run,
     watch_end,
     worker_log,
 )
@@ -26,7 +26,7 @@ from helpers import (
 from paddle_mnist import preflight, watchdog
 from scripts.netns import Host, namespaces_problem, two_hosts
 
-ARGS = [*PLAIN_MNIST, "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
+ARGS = small_run(train_limit=2048, eval_limit=100, log_every=8, tutorial_cnn=False)
 
 
 def start_job(tmp_path: Path, extra: list[str]) -> tuple[subprocess.Popen, Path, Path]:

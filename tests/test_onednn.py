@@ -15,11 +15,11 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-from helpers import PLAIN_MNIST, TUTORIAL_CNN, explain, launch_env, make_dataset, read_results, run_single
+from helpers import explain, launch_env, make_dataset, read_results, run_single, small_run
 
 from paddle_mnist import models, onednn
 
-SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "100", "--epochs", "1", "--batch-size", "64"]
+SMALL = small_run(eval_limit=100, batch_size=64, epochs=1, log_every=None, lr=None)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_workers_of_one_machine_build_it_once_and_a_damaged_build_is_built_again
 def test_without_a_compiler_the_run_trains_on_paddles_convolution_and_says_why(tmp_path):
     data_dir = make_dataset(tmp_path / "mnist", n_train=512, n_test=100)
     env = {"PADDLE_MNIST_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-compiler")}
-    args = [*SMALL, *TUTORIAL_CNN, "--data-dir", str(data_dir)]
+    args = [*SMALL, "--data-dir", str(data_dir)]
     ok = run_single([*args, "--output-dir", str(tmp_path / "auto")], cwd=tmp_path, env=env)
     assert ok.returncode == 0, explain(ok)
     said = [line.split("] ", 1)[1] for line in ok.stdout.splitlines() if "convolutions:" in line]
@@ -188,7 +188,7 @@ def test_without_a_compiler_the_run_trains_on_paddles_convolution_and_says_why(t
 def test_a_run_resumed_with_the_other_convolution_continues_from_its_checkpoint(tmp_path):
     """The checkpoint holds weights and optimizer state only: which convolution made them does not matter."""
     data_dir = make_dataset(tmp_path / "mnist", n_train=512, n_test=100)
-    args = [*SMALL, *TUTORIAL_CNN, "--data-dir", str(data_dir), "--output-dir", str(tmp_path / "o")]
+    args = [*SMALL, "--data-dir", str(data_dir), "--output-dir", str(tmp_path / "o")]
     first = run_single([*args, "--conv-backend", "onednn", "--save-every-steps", "4", "--max-steps", "4"], cwd=tmp_path)
     assert first.returncode == 0, explain(first)
     assert "convolutions: oneDNN" in first.stdout

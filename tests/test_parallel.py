@@ -9,8 +9,6 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
-    PLAIN_MNIST,
-    TUTORIAL_CNN,
     explain,
     free_port,
     param_digest,
@@ -18,6 +16,7 @@ from helpers import (
     read_results,
     run_launch,
     run_one_and_two,
+    small_run,
     weights,
     worker_log,
 )
@@ -30,8 +29,7 @@ from paddle_mnist.models import MnistCNN
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
 
-SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "201", "--log-every", "4", "--lr", "0.02"]
-SMALL += TUTORIAL_CNN
+SMALL = small_run()
 
 
 @pytest.fixture(scope="module")

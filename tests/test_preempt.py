@@ -13,15 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
-    PLAIN_MNIST,
     TRAIN_PY,
-    TUTORIAL_CNN,
     explain,
     launch_env,
     make_dataset,
     rank_pid,
     reaped,
     run_launch,
+    small_run,
     weights,
     worker_log,
 )
@@ -31,10 +30,8 @@ from paddle_mnist.logs import summarise
 
 pytestmark = pytest.mark.slow  # each test starts the trainer under the launcher and stops it with a signal
 
-ARGS = [*PLAIN_MNIST, "--train-limit", "4096", "--batch-size", "64", "--epochs", "2", "--lr", "0.02"]
-ARGS += TUTORIAL_CNN
 # 64 steps an epoch: the ranks meet about every 0.25 s, so a signal early in the epoch stops it mid-epoch
-ARGS += ["--log-every", "4", "--eval-limit", "100"]
+ARGS = small_run(train_limit=4096, eval_limit=100, batch_size=64, epochs=2)
 STOP_LINE = re.compile(
     r"stopped by (SIG\w+) at step (\d+) \(([^)]*)\); checkpoint (\S+); continue with: (.*--resume auto)$", re.M
 )

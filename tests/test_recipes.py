@@ -25,7 +25,7 @@ from PIL import Image
 
 from paddle_mnist import config, data, engine
 from paddle_mnist.distributed import DistEnv, convert_sync_bn
-from paddle_mnist.models import MODELS, build_model, count_parameters
+from paddle_mnist.models import MODELS, MnistCNN, build_model, count_parameters
 from paddle_mnist.state import make_schedule
 
 # Trainable parameters, counted by hand from each architecture:
@@ -67,6 +67,13 @@ def test_minigooglenet_count_by_hand():
             channels += sizes[0]
     total += channels * 10 + 10
     assert total == EXPECTED[("minigooglenet", (3, 32, 32))]
+
+
+def test_mnist_cnn_shape_and_size():
+    model = MnistCNN()
+    # conv1 1*20*25+20, conv2 20*20*25+20, fc 980*10+10
+    assert count_parameters(model) == 520 + 10020 + 9810
+    assert model(paddle.zeros([3, 1, 28, 28])).shape == [3, 10]
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

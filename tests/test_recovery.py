@@ -18,7 +18,6 @@ import pytest
 from helpers import (
     PLAIN_MNIST,
     TRAIN_PY,
-    TUTORIAL_CNN,
     explain,
     launch_env,
     make_dataset,
@@ -27,6 +26,7 @@ from helpers import (
     reaped,
     run_launch,
     run_single,
+    small_run,
     watch_end,
     weights,
     worker_log,
@@ -39,9 +39,7 @@ from paddle_mnist.models import build_model
 
 pytestmark = pytest.mark.slow  # each test starts real trainer processes, and most of them stop or kill one
 
-ARGS = [*PLAIN_MNIST, "--train-limit", "2048", "--eval-limit", "100", "--log-every", "8", "--lr", "0.02"]
-ARGS += TUTORIAL_CNN
-ARGS += ["--batch-size", "64", "--epochs", "2"]
+ARGS = small_run(train_limit=2048, eval_limit=100, batch_size=64, epochs=2, log_every=8)
 
 
 def steps_of(out: Path) -> list[int]:

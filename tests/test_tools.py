@@ -10,13 +10,12 @@ import numpy as np
 import paddle
 import pytest
 from helpers import (
-    PLAIN_MNIST,
-    TUTORIAL_CNN,
     explain,
     read_metrics,
     read_results,
     run_one_and_two,
     run_single,
+    small_run,
     weights,
     worker_log,
 )
@@ -26,8 +25,7 @@ from paddle_mnist.config import Config, ConfigError, parse_args
 from paddle_mnist.models import MnistCNN, build_model, count_parameters
 from paddle_mnist.state import TrainState, make_optimizer
 
-SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "201", "--log-every", "0"]
-SMALL += TUTORIAL_CNN
+SMALL = small_run(log_every=0, lr=None)
 CLIP = 0.5  # below the gradient norms of the first epochs here, so every step clips
 
 

@@ -14,9 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
-    PLAIN_MNIST,
     REPO,
-    TUTORIAL_CNN,
     explain,
     free_port,
     launch_env,
@@ -24,6 +22,7 @@ from helpers import (
     read_metrics,
     run_launch,
     run_single,
+    small_run,
     worker_log,
 )
 from PIL import Image
@@ -32,9 +31,7 @@ from visualdl import LogReader, LogWriter  # not importorskip: CI installs it; m
 from paddle_mnist import checkpoint, dashboard
 
 # 512 images in batches of 64: 8 steps an epoch, a progress line every 4 steps
-SMALL = [*PLAIN_MNIST, "--train-limit", "512", "--eval-limit", "100", "--log-every", "4", "--lr", "0.02"]
-SMALL += TUTORIAL_CNN
-SMALL += ["--batch-size", "64"]
+SMALL = small_run(eval_limit=100, batch_size=64)
 
 
 @pytest.fixture(scope="module")

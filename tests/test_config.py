@@ -1,0 +1,64 @@
+"""The configuration (config.py): defaults, the recipes per model, the checks on flags, the JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from paddle_mnist import config
+from paddle_mnist.models import MODELS
+
+
+def test_default_global_batch_is_64_per_worker():
+    cfg = config.parse_args([])
+    assert config.resolve_for_world(cfg, 1).batch_size == 64
+    assert config.resolve_for_world(cfg, 4).batch_size == 256
+
+
+def test_batch_that_does_not_split_is_refused():
+    cfg = config.parse_args(["--batch-size", "63"])
+    with pytest.raises(config.ConfigError, match="does not divide by the 2 workers"):
+        config.resolve_for_world(cfg, 2)
+    assert config.resolve_for_world(cfg, 1).batch_size == 63
+
+
+def test_resume_and_overwrite_together_are_refused():
+    with pytest.raises(config.ConfigError, match="contradict"):
+        config.parse_args(["--resume", "--overwrite"])
+
+
+def test_each_model_trains_with_its_own_recipe_unless_a_flag_says_otherwise():
+    assert set(config.RECIPES) == set(MODELS)
+    for name, recipe in config.RECIPES.items():
+        cfg = config.parse_args(["--model", name])
+        assert {f: getattr(cfg, f) for f in config.RECIPE_FLAGS} == dataclasses.asdict(recipe)
+    flags = ["--lr", "0.01", "--warmup-epochs", "0", "--epochs", "3", "--weight-decay", "0", "--batch-size", "32"]
+    cfg = config.parse_args(["--model", "mnist_cnn", *flags])
+    assert (cfg.lr, cfg.warmup_epochs, cfg.epochs, cfg.weight_decay, cfg.batch_size) == (0.01, 0.0, 3, 0.0, 32)
+    assert config.parse_args([]) == config.Config()  # a Config built in code holds the default model's recipe
+
+
+def test_help_lists_every_recipe():
+    text = config.build_parser().format_help()
+    for name, r in config.RECIPES.items():
+        row = next(line.split() for line in text.splitlines() if line.split()[:1] == [name])
+        assert [float(v) for v in row[1:5]] == [r.lr, r.warmup_epochs, r.epochs, r.weight_decay]
+
+
+def test_config_round_trips_through_json(tmp_path):
+    cfg = config.parse_args(["--epochs", "3", "--lr", "0.1", "--train-limit", "100"])
+    (tmp_path / "c.json").write_text(cfg.to_json())
+    assert config.load_config(tmp_path / "c.json") == cfg
+
+
+def test_shift_and_label_smoothing_flags_are_checked():
+    cfg = config.parse_args(["--augment", "--shift", "0", "--label-smoothing", "0.1"])
+    assert cfg.shift == 0 and cfg.label_smoothing == 0.1
+    assert config.parse_args([]).shift is None
+    with pytest.raises(config.ConfigError, match="add --augment"):
+        config.parse_args(["--shift", "1"])
+    with pytest.raises(config.ConfigError, match="--label-smoothing must be at least 0 and below 1"):
+        config.parse_args(["--label-smoothing", "1"])
+    with pytest.raises(SystemExit):
+        config.parse_args(["--augment", "--shift", "-1"])
