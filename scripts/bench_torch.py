@@ -26,6 +26,7 @@ import gzip
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,7 +35,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CELLS = ((1, 1), (1, 2), (2, 1))  # (workers, threads per worker)
 PER_WORKER = 64
 MOMENTUM, WEIGHT_DECAY, LR = 0.9, 5e-4, 0.01
 RATE = re.compile(r"step (\d+)/\d+ .* (\d+) img/s \(global\)")
@@ -165,6 +165,7 @@ def windowed(log: str, batch: int) -> list[float]:
 def run_trainer(model: str, workers: int, threads: int, work: Path, env: dict) -> list[float]:
     steps, window = STEPS[model]
     out, log_dir = work / "trainer", work / "trainer-log"
+    shutil.rmtree(log_dir, ignore_errors=True)  # the launcher appends to an existing workerlog.N
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir)]
     cmd = (launch if workers > 1 else [sys.executable]) + [str(REPO / "train.py"), "--model", model]
     cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
@@ -173,7 +174,10 @@ def run_trainer(model: str, workers: int, threads: int, work: Path, env: dict) -
     log = (log_dir / "workerlog.0").read_text() if workers > 1 else proc.stdout
     if proc.returncode != 0:
         raise SystemExit(f"the trainer failed ({model}, {workers}x{threads}):\n{log[-2000:]}{proc.stderr[-2000:]}")
-    return windowed(log, PER_WORKER * workers)
+    rates = windowed(log, PER_WORKER * workers)
+    if len(rates) != steps // window - 1:  # one run's lines, each window once
+        raise SystemExit(f"the trainer's log holds {len(rates)} windows, not {steps // window - 1}:\n{log[-2000:]}")
+    return rates
 
 
 def run_torch(python: str, model: str, workers: int, threads: int, work: Path, env: dict) -> list[float]:
@@ -200,6 +204,7 @@ def main() -> int:
     p.add_argument("--torch-python", default=sys.executable, help="a Python with torch and numpy")
     p.add_argument("--models", default="mnist_cnn,mnist_cnn_bn_fc,minigooglenet")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cells", default="1x1,1x2,2x1", help="WORKERSxTHREADS, comma-separated")
     p.add_argument("--json", type=Path, help="write the table's figures here")
     args = p.parse_args()
     if args.command == "worker":
@@ -212,7 +217,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for model in args.models.split(","):
-            for workers, threads in CELLS:
+            for workers, threads in (tuple(int(n) for n in c.split("x")) for c in args.cells.split(",")):
                 got = {"trainer": [], "torch": []}
                 for r in range(args.rounds):
                     order = ("trainer", "torch") if r % 2 == 0 else ("torch", "trainer")
