@@ -11,10 +11,10 @@ import contextlib
 import importlib.util
 import io
 import logging
-import os
 import struct
 from pathlib import Path
 
+from . import atomic
 from .log import memory_mb
 
 FOLDER = "visualdl"  # inside --output-dir: visualdl --logdir OUTPUT_DIR/visualdl
@@ -80,12 +80,7 @@ def keep_to_step(path: Path, step: int, last_row_step: int) -> None:
         elif any(v.id > (last_row_step if v.tag in epoch_tags else step) for v in record.values):
             continue
         kept.append(struct.pack("<Q", len(frame)) + frame)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(b"".join(kept))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_bytes(path, b"".join(kept))
 
 
 def remove_logs(out: Path) -> None:
