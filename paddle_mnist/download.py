@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import atomic
 from .config import DATASETS
-from .data import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA, SUMS
+from .datafiles import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA, SUMS, file_digest, read_sums
 from .formats import DataError, check_pair, read_idx
 
 VALID_SIZE = 10_000  # the course's file: the last 10,000 MNIST training images are its 'valid' split
@@ -121,30 +121,17 @@ def read_checksums(path: Path, known: Sequence[str]) -> dict[str, str]:
     return table
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    # usedforsecurity=False: MD5 checks integrity here, and FIPS-mode machines refuse MD5 otherwise
-    digest = hashlib.new(algorithm, usedforsecurity=False)
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def md5_ok(path: Path, md5: str) -> bool:
     return path.is_file() and file_digest(path, "md5") == md5
 
 
 def sums_intact(folder: Path, names: Sequence[str]) -> bool:
     """True when folder/SHA256SUMS lists every one of names and each listed file matches it."""
-    listing = folder / SUMS
-    if not listing.is_file():
+    try:
+        listed = read_sums(folder)
+    except DataError:  # a damaged list vouches for nothing: the caller fetches or builds again and lists anew
         return False
-    listed = {}
-    for line in listing.read_text().splitlines():
-        parts = line.split(maxsplit=1)
-        if len(parts) == 2:
-            listed[parts[1].strip().lstrip("*")] = parts[0].lower()
-    if not set(names) <= set(listed):
+    if listed is None or not set(names) <= set(listed):
         return False
     return all((folder / n).is_file() and file_digest(folder / n, "sha256") == listed[n] for n in listed)
 
