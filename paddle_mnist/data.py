@@ -164,7 +164,7 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
 
 @dataclass(frozen=True)
 class AugmentPlan:
-    """What train_batches needs to draw one batch's augmentation: the policy and the batch's coordinates."""
+    """What batches() needs to draw one batch's augmentation: the policy and the batch's coordinates."""
 
     policy: augment.Augment
     seed: int

@@ -30,7 +30,6 @@ FORMAT = 1  # of the cache's files; with preprocess.VERSION in every manifest
 VAL_NAMES = ("val", "valid")
 CHUNK = 256  # files per task of the decoding pool
 SAMPLE = 1000  # files of train/ whose headers choose the size and channels of the first decoding pass
-SHOWN = 3  # bad files named in one error line
 # what follows "<cache name>." in a build's temporary (tmp) or moved-aside (old) folder: the builder's pid and
 # host (none in the names of builds before hosts were named)
 LEFTOVER = re.compile(r"(?:tmp|old)(\d+)(?:@(.+))?")

@@ -75,7 +75,7 @@ class RunFiles:
     @contextlib.contextmanager
     def _writing(self, path: Path):
         """Record a write's OSError instead of raising it, so that every rank can learn of it at the next point
-        where they all meet (failure_agreed) and stop together; later writes are skipped."""
+        where they all meet (Session.meet) and stop together; later writes are skipped."""
         try:
             yield
         except OSError as e:
