@@ -66,7 +66,7 @@ def keep_to_step(path: Path, step: int, last_row_step: int) -> None:
     epoch that a --max-steps or a signal cut short is dropped there too). Left in, VisualDL's reader would show
     both points of a step, a doubled curve. Only the first meta record is kept, as the resumed writer adds its
     own. Written to a temporary file and renamed."""
-    from visualdl.proto import record_pb2
+    from visualdl.proto import record_pb2  # here, not at the top: the package is optional
 
     epoch_tags = set(EPOCH_TAGS.values())
     kept, meta = [], False

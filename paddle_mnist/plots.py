@@ -21,7 +21,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_curves(metrics_path: Path, out_path: Path) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: the trainer imports this module for its file names, not matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
