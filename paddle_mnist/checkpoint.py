@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from . import safeload
+from . import atomic, safeload
 from .config import CONFIG_FILE, image_shape, load_config
 from .models import build_model
 
@@ -40,39 +40,23 @@ def digest_path(path: Path) -> Path:
     return path.with_name(path.name + DIGEST_SUFFIX)
 
 
-def _tmp(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp{os.getpid()}")
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def save_atomic(obj: object, path: Path) -> None:
-    """paddle.save to a temporary file, then its SHA-256 beside it, then rename: a crash, a full disk or a signal
-    never leaves half a file under the real name, and never touches the files already there.
+    """paddle.save to a temporary file, then its SHA-256 beside it, then rename (atomic.atomic_path): a crash, a
+    full disk or a signal never leaves half a file under the real name, and never touches the files already there.
 
     The digest is renamed into place first: a checkpoint never appears without its digest.
     """
     path = Path(path)
-    tmp, tmp_digest = _tmp(path), _tmp(digest_path(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        paddle.save(obj, str(tmp))
-        data = tmp.read_bytes()
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        _write_synced(tmp_digest, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())
-        os.replace(tmp_digest, digest_path(path))
-        os.replace(tmp, path)
+        with atomic.atomic_path(path) as tmp:
+            paddle.save(obj, str(tmp))  # wants a file name, not a file object
+            atomic.sync(tmp)  # on disk before its digest is
+            digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+            # in place before the checkpoint, which is renamed when this block ends
+            atomic.write_bytes(digest_path(path), f"{digest}  {path.name}\n".encode(), fsync=True)
     except OSError as e:
         raise WriteError(e.errno, e.strerror or str(e)) from e  # the system's reason; the caller names the file
-    finally:
-        tmp.unlink(missing_ok=True)
-        tmp_digest.unlink(missing_ok=True)
 
 
 def checkpoint_path(output_dir: Path, step: int) -> Path:

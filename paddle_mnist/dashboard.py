@@ -11,10 +11,10 @@ import contextlib
 import importlib.util
 import io
 import logging
-import os
 import struct
 from pathlib import Path
 
+from . import atomic
 from .log import memory_mb
 
 FOLDER = "visualdl"  # inside --output-dir: visualdl --logdir OUTPUT_DIR/visualdl
@@ -66,7 +66,7 @@ def keep_to_step(path: Path, step: int, last_row_step: int) -> None:
     epoch that a --max-steps or a signal cut short is dropped there too). Left in, VisualDL's reader would show
     both points of a step, a doubled curve. Only the first meta record is kept, as the resumed writer adds its
     own. Written to a temporary file and renamed."""
-    from visualdl.proto import record_pb2
+    from visualdl.proto import record_pb2  # here, not at the top: the package is optional
 
     epoch_tags = set(EPOCH_TAGS.values())
     kept, meta = [], False
@@ -80,12 +80,7 @@ def keep_to_step(path: Path, step: int, last_row_step: int) -> None:
         elif any(v.id > (last_row_step if v.tag in epoch_tags else step) for v in record.values):
             continue
         kept.append(struct.pack("<Q", len(frame)) + frame)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(b"".join(kept))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_bytes(path, b"".join(kept))
 
 
 def remove_logs(out: Path) -> None:

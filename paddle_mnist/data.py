@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import queue
 import threading
@@ -12,27 +11,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import augment, formats
+from . import augment, download, formats
 from .config import DATASETS
+from .datafiles import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA, SUMS, file_digest, read_sums
 from .formats import DataError
 
-SUMS = "SHA256SUMS"  # in each dataset folder: the files' SHA-256 digests, in sha256sum's format
-
-
-def _default_data_root() -> Path:
-    """The checkout's data/ (shipped datasets) when the package runs from a checkout; else ./data, where
-    python -m paddle_mnist.download puts datasets when the package was installed with pip."""
-    checkout = Path(__file__).resolve().parent.parent
-    return checkout / "data" if (checkout / "pyproject.toml").is_file() else Path("data").resolve()
-
-
-REPO_DATA = _default_data_root()
-IDX_FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
-MNIST_JSON = "mnist.json.gz"
 DIGITS = tuple(str(i) for i in range(10))
 FASHION = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 
@@ -75,27 +58,14 @@ def _missing(folder: Path, name: str, what: str) -> DataError:
     )
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify_checksums(folder: Path) -> None:
     """Check every file named in folder/SHA256SUMS (sha256sum format); no list, nothing to check."""
     listing = folder / SUMS
-    if not listing.is_file():
-        return
-    for line in listing.read_text().splitlines():
-        if not line.strip():
-            continue
-        digest, name = line.split(maxsplit=1)
-        path = folder / name.lstrip("*")
+    for name, digest in (read_sums(folder) or {}).items():
+        path = folder / name
         if not path.is_file():
             raise DataError(f"{path}: listed in {listing} but missing; restore it")
-        if _sha256(path) != digest:
+        if file_digest(path, "sha256") != digest:
             raise DataError(f"{path}: SHA-256 does not match {listing}; the file is damaged, restore a good copy")
 
 
@@ -161,9 +131,7 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
         raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
     path = Path(data_dir) if data_dir else REPO_DATA / name
     if name == "mnist-json" and not data_dir:
-        from .download import build_shipped_mnist_json  # download imports this module
-
-        build_shipped_mnist_json(path)  # in 10 s or so, the first time, from data/mnist
+        download.build_shipped_mnist_json(path)  # in 10 s or so, the first time, from data/mnist
     if not path.exists():
         raise _missing(path, name, "no such folder")
     verify_checksums(path if path.is_dir() else path.parent)
@@ -196,7 +164,7 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
 
 @dataclass(frozen=True)
 class AugmentPlan:
-    """What train_batches needs to draw one batch's augmentation: the policy and the batch's coordinates."""
+    """What batches() needs to draw one batch's augmentation: the policy and the batch's coordinates."""
 
     policy: augment.Augment
     seed: int

@@ -21,13 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import atomic
 from .config import DATASETS
-from .data import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA, SUMS
+from .datafiles import CIFAR_ARCHIVE, IDX_FILES, MNIST_JSON, REPO_DATA, SUMS, file_digest, read_sums
 from .formats import DataError, check_pair, read_idx
 
 VALID_SIZE = 10_000  # the course's file: the last 10,000 MNIST training images are its 'valid' split
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # bytes read from the connection at a time
 USER_AGENT = "paddle_mnist-download/0.1"
+# A file being downloaded or built is .NAME.partial until it is complete and checked: a name without the pid (unlike
+# atomic's default), so a download killed halfway is overwritten by the next try instead of left beside it.
+PARTIAL = ".partial"
 IDX_NAMES = tuple(f"{stem}.gz" for split in ("train", "test") for stem in IDX_FILES[split])  # as published: gzipped
 
 
@@ -117,49 +121,26 @@ def read_checksums(path: Path, known: Sequence[str]) -> dict[str, str]:
     return table
 
 
-def file_digest(path: Path, algorithm: str) -> str:
-    # usedforsecurity=False: MD5 checks integrity here, and FIPS-mode machines refuse MD5 otherwise
-    digest = hashlib.new(algorithm, usedforsecurity=False)
-    with open(path, "rb") as f:
-        while block := f.read(CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def md5_ok(path: Path, md5: str) -> bool:
     return path.is_file() and file_digest(path, "md5") == md5
 
 
 def sums_intact(folder: Path, names: Sequence[str]) -> bool:
     """True when folder/SHA256SUMS lists every one of names and each listed file matches it."""
-    listing = folder / SUMS
-    if not listing.is_file():
+    try:
+        listed = read_sums(folder)
+    except DataError:  # a damaged list vouches for nothing: the caller fetches or builds again and lists anew
         return False
-    listed = {}
-    for line in listing.read_text().splitlines():
-        parts = line.split(maxsplit=1)
-        if len(parts) == 2:
-            listed[parts[1].strip().lstrip("*")] = parts[0].lower()
-    if not set(names) <= set(listed):
+    if listed is None or not set(names) <= set(listed):
         return False
     return all((folder / n).is_file() and file_digest(folder / n, "sha256") == listed[n] for n in listed)
-
-
-def write_atomically(target: Path, write) -> None:
-    """Call write(binary file) on target's .NAME.partial, then rename; whatever fails, no partial file stays."""
-    partial = target.parent / f".{target.name}.partial"
-    try:
-        with open(partial, "wb") as out:
-            write(out)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
 
 
 def write_sums(folder: Path, names: Sequence[str]) -> None:
     """The list the trainer checks on every load, in sha256sum's format."""
     text = "".join(f"{file_digest(folder / n, 'sha256')}  {n}\n" for n in sorted(names))
-    write_atomically(folder / SUMS, lambda out: out.write(text.encode()))
+    with atomic.atomic_write(folder / SUMS, suffix=PARTIAL) as out:
+        out.write(text.encode())
     print(f"wrote {folder / SUMS}")
 
 
@@ -175,9 +156,7 @@ def fetch_url(url: str, remote: Remote, folder: Path, timeout: float) -> int:
         folder.mkdir(parents=True, exist_ok=True)  # only now, so an unreachable host leaves no empty folder behind
         digest = hashlib.new("md5", usedforsecurity=False)
         received = 0
-
-        def copy(out) -> None:
-            nonlocal received
+        with atomic.atomic_write(folder / remote.name, suffix=PARTIAL) as out:
             try:
                 while block := response.read(CHUNK):
                     out.write(block)
@@ -192,8 +171,6 @@ def fetch_url(url: str, remote: Remote, folder: Path, timeout: float) -> int:
                 raise FetchError(
                     f"{url}: MD5 is {digest.hexdigest()}, expected {remote.md5}; the download was discarded"
                 )
-
-        write_atomically(folder / remote.name, copy)
     return received
 
 
@@ -305,14 +282,11 @@ def write_json_splits(splits: Sequence[tuple], out: io.TextIOBase) -> None:
 def write_mnist_json(source: Path, target: Path) -> None:
     splits = mnist_splits(source)
     target.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(raw) -> None:
+    with atomic.atomic_write(target, suffix=PARTIAL) as raw:
         # mtime=0 and no file name in the gzip header: the same MNIST files always build the same bytes
         with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=6, mtime=0) as packed:
             with io.TextIOWrapper(packed, encoding="ascii") as text:
                 write_json_splits(splits, text)
-
-    write_atomically(target, write)
     sizes = ", ".join(f"{name} {len(labels)}" for name, (_, labels) in zip(("train", "valid", "eval"), splits))
     print(f"built {target} ({sizes}) from {source}")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import preprocess
+from . import atomic, preprocess
 
 if TYPE_CHECKING:  # Paddle is imported where it is used, so reading an export's metadata does not load it
     import paddle
@@ -148,9 +148,7 @@ def export_inference(net: paddle.nn.Layer, ds: Dataset, prefix: Path, weights: s
 
 
 def _write_meta(meta_file: Path, meta: dict) -> None:
-    tmp = meta_file.with_name(f".{meta_file.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, meta_file)
+    atomic.write_text(meta_file, json.dumps(meta, indent=2) + "\n")
 
 
 def read_export(prefix: Path | str) -> dict:
@@ -201,8 +199,7 @@ def export_onnx(prefix: Path | str) -> Path:
         raise ExportError("the ONNX export needs paddle2onnx: pip install -r requirements-onnx.txt") from e
     model, params = program_files(meta["files"])
     target = onnx_path(prefix)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-    try:
+    with atomic.atomic_path(target) as tmp:  # paddle2onnx wants a file name
         # No optimizer pass: paddle2onnx's default (polygraphy) installs packages with pip while it runs, and
         # ONNX Runtime folds constants itself when it loads the model
         paddle2onnx.export(
@@ -216,9 +213,6 @@ def export_onnx(prefix: Path | str) -> Path:
         )
         if not tmp.is_file():
             raise ExportError(f"{prefix}: paddle2onnx {paddle2onnx.__version__} wrote no ONNX file")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
     meta["onnx"] = {"file": target.name, "opset": ONNX_OPSET, "paddle2onnx": paddle2onnx.__version__}
     _write_meta(meta_path(prefix), meta)
     return target

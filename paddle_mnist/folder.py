@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from . import data, preprocess
+from . import atomic, data, preprocess
 from .config import image_size
 from .formats import DataError
 
@@ -30,7 +30,6 @@ FORMAT = 1  # of the cache's files; with preprocess.VERSION in every manifest
 VAL_NAMES = ("val", "valid")
 CHUNK = 256  # files per task of the decoding pool
 SAMPLE = 1000  # files of train/ whose headers choose the size and channels of the first decoding pass
-SHOWN = 3  # bad files named in one error line
 # what follows "<cache name>." in a build's temporary (tmp) or moved-aside (old) folder: the builder's pid and
 # host (none in the names of builds before hosts were named)
 LEFTOVER = re.compile(r"(?:tmp|old)(\d+)(?:@(.+))?")
@@ -466,15 +465,15 @@ def _drop_rows(tmp: Path, plan: dict, dropped: set[str]) -> None:
         if keep.all():
             continue
         old = np.load(tmp / f"{split}.npy", mmap_mode="r")
-        new = np.lib.format.open_memmap(tmp / f"{split}.new.npy", "w+", np.uint8, (int(keep.sum()), *old.shape[1:]))
-        at = 0
-        for lo in range(0, len(old), 4096):
-            block = old[lo : lo + 4096][keep[lo : lo + 4096]]
-            new[at : at + len(block)] = block
-            at += len(block)
-        new.flush()
-        del old, new
-        os.replace(tmp / f"{split}.new.npy", tmp / f"{split}.npy")
+        with atomic.atomic_path(tmp / f"{split}.npy") as rewritten:
+            new = np.lib.format.open_memmap(rewritten, "w+", np.uint8, (int(keep.sum()), *old.shape[1:]))
+            at = 0
+            for lo in range(0, len(old), 4096):
+                block = old[lo : lo + 4096][keep[lo : lo + 4096]]
+                new[at : at + len(block)] = block
+                at += len(block)
+            new.flush()
+            del old, new  # both maps closed before the rename
         labels = [e.label for e, k in zip(entries, keep) if k]
         np.save(tmp / f"{split}-labels.npy", np.array(labels, np.int64))
 

@@ -36,7 +36,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from .download import file_digest
+from .datafiles import file_digest
 
 BACKENDS = ("auto", "onednn", "paddle")
 SOURCE = Path(__file__).with_name("csrc") / "onednn_conv.cc"

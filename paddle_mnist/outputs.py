@@ -14,7 +14,7 @@ from pathlib import Path
 
 import paddle
 
-from . import checkpoint, dashboard, data, export, plots
+from . import atomic, checkpoint, dashboard, data, export, plots
 from .config import CONFIG_FILE, Config
 from .distributed import DistEnv
 
@@ -28,15 +28,6 @@ RESULT_FILES = (METRICS, WEIGHTS, BEST_WEIGHTS, "inference_meta.json", checkpoin
 
 class WriteFailed(RuntimeError):
     """A file of the run could not be written; every rank stops. The message is the one line each rank logs."""
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
 
 
 def output_dir_problem(cfg: Config) -> str | None:
@@ -84,7 +75,7 @@ class RunFiles:
     @contextlib.contextmanager
     def _writing(self, path: Path):
         """Record a write's OSError instead of raising it, so that every rank can learn of it at the next point
-        where they all meet (failure_agreed) and stop together; later writes are skipped."""
+        where they all meet (Session.meet) and stop together; later writes are skipped."""
         try:
             yield
         except OSError as e:
@@ -130,7 +121,7 @@ class RunFiles:
     def _start(self, resumed_epoch: int | None) -> int:
         """The step of the last metrics row kept (0: none)."""
         self.out.mkdir(parents=True, exist_ok=True)
-        _write_text_atomic(self.out / CONFIG, self.cfg.to_json() + "\n")
+        atomic.write_text(self.out / CONFIG, self.cfg.to_json() + "\n")
         metrics = self.out / METRICS
         if resumed_epoch is None:
             metrics.unlink(missing_ok=True)
@@ -143,7 +134,7 @@ class RunFiles:
         elif metrics.is_file():
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
-            _write_text_atomic(metrics, "".join(r + "\n" for r in kept))
+            atomic.write_text(metrics, "".join(r + "\n" for r in kept))
             return json.loads(kept[-1])["step"] if kept else 0
         return 0
 
@@ -218,4 +209,4 @@ class RunFiles:
     def write_json(self, name: str, obj: dict) -> None:
         if self.enabled and not self.failure:
             with self._writing(self.out / name):
-                _write_text_atomic(self.out / name, json.dumps(obj, indent=2) + "\n")
+                atomic.write_text(self.out / name, json.dumps(obj, indent=2) + "\n")

@@ -7,6 +7,11 @@ import os
 import sys
 from pathlib import Path
 
+if __package__:
+    from . import atomic
+else:  # run as a file (the trainer's drawing child: python .../plots.py), with its own folder on sys.path
+    import atomic
+
 METRICS_FILE = "metrics.jsonl"  # one JSON row per epoch, written by the trainer's rank 0
 CURVES_FILE = "curves.png"
 
@@ -16,7 +21,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_curves(metrics_path: Path, out_path: Path) -> None:
-    import matplotlib
+    import matplotlib  # here, not at the top: the trainer imports this module for its file names, not matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -37,10 +42,9 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
         last = rows[-1]
         fig.suptitle(f"{last.get('world_size', '?')} worker(s), global batch {last.get('global_batch_size', '?')}")
     fig.tight_layout()
-    tmp = Path(out_path).with_name(f".{Path(out_path).name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic.atomic_write(out_path) as f:
+        fig.savefig(f, format="png", dpi=100)  # a file object: the format cannot come from the name
     plt.close(fig)
-    tmp.replace(out_path)
 
 
 def main(argv: list[str] | None = None) -> int:

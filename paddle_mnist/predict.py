@@ -10,23 +10,18 @@ import warnings
 from collections.abc import Sequence
 
 import numpy as np
-from PIL import Image
 
 from . import preprocess
+from .export import ExportError
+from .predictor import Predictor
 
 BATCH = 256  # images per forward pass, so memory stays flat however many files are given
 
 
-def image_pixels(im: Image.Image, image_shape: Sequence[int], background: Sequence[int] = (0,)) -> np.ndarray:
-    """uint8 (C, H, W) as the model of image_shape takes it, from a PIL image of any size and mode, by the
-    trainer's own preprocessing (preprocess.to_pixels); transparency is composited onto `background` (the export's
-    metadata holds the one the model was trained on: black for MNIST-type data)."""
-    channels, height, width = image_shape
-    return np.ascontiguousarray(preprocess.to_pixels(im, channels, (width, height), background))
-
-
 def load_image(path: str | os.PathLike, image_shape: Sequence[int], background: Sequence[int] = (0,)) -> np.ndarray:
-    """image_pixels of an image file Pillow reads."""
+    """uint8 (C, H, W) as the model of image_shape takes it, from an image file Pillow reads, by the trainer's own
+    preprocessing (preprocess.load_image); transparency is composited onto `background` (the export's metadata
+    holds the one the model was trained on: black for MNIST-type data)."""
     channels, height, width = image_shape
     return preprocess.load_image(path, channels, (width, height), background)
 
@@ -105,12 +100,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """0 when every image was classified, 1 when any could not be read, 2 when the model cannot be loaded."""
     args = parse_args(argv)
-    # Before Paddle loads: its C++ INFO lines and a build-tool warning would bury the results and errors on stderr.
+    # Before Paddle loads (in Predictor.load): its C++ INFO lines and a build-tool warning would bury the results and
+    # errors on stderr.
     os.environ.setdefault("GLOG_minloglevel", "2")
     warnings.filterwarnings("ignore", message="No ccache found")
-    from .export import ExportError
-    from .predictor import Predictor
-
     try:
         predictor = Predictor.load(args.model, backend=args.backend, threads=args.threads)
     except ExportError as e:

@@ -116,6 +116,7 @@ def split_batch(array: np.ndarray, image_shape: Sequence[int]) -> list[np.ndarra
 
 def _inference_runner(prefix: Path, meta: dict, threads: int, device: str) -> Callable[[np.ndarray], np.ndarray]:
     """Paddle Inference (oneDNN on for the CPU): the engine Paddle ships for deployment."""
+    # here, not at the top: Paddle loads only once a backend is chosen, after predict.main has quieted its log
     from paddle import inference
 
     program, params = export.program_files(meta["files"])
@@ -142,7 +143,7 @@ def _inference_runner(prefix: Path, meta: dict, threads: int, device: str) -> Ca
 
 def _jit_runner(prefix: Path, meta: dict, threads: int, device: str) -> Callable[[np.ndarray], np.ndarray]:
     """The exported program through paddle.jit.load in dygraph: no inference engine needed."""
-    import paddle
+    import paddle  # here, not at the top: as _inference_runner
 
     paddle.set_device(device)
     if device == "cpu":
