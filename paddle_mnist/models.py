@@ -50,14 +50,22 @@ class MaxPool2D(nn.MaxPool2D):
     kernel that returns the mask records that position in the forward pass (the first maximum, as the search
     finds), so the gradient goes to the same input, to the bit. In evaluation, and so in the exported model, it is
     nn.MaxPool2D's own forward, which Paddle Inference and ONNX know.
+
+    A window with nothing above -FLT_MAX (all NaN or -inf: a step whose loss diverged) gets no position, -1, and
+    Paddle's CPU backward would add its gradient at that offset, outside the tensor, corrupting the heap. Such a
+    pass is run again by nn.MaxPool2D, whose backward only adds where an input equals the window's output: the
+    check reads the mask's minimum (a reduction over a quarter of the input, on the CPU only; the GPU backward
+    matches positions and never writes at -1).
     """
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if not self.training or self.return_mask or self.data_format != "NCHW":
             return super().forward(x)
-        out, _ = F.max_pool2d(
+        out, mask = F.max_pool2d(
             x, self.ksize, self.stride, self.padding, ceil_mode=self.ceil_mode, return_mask=True, name=self.name
         )
+        if x.place.is_cpu_place() and int(mask.min()) < 0:
+            return super().forward(x)
         return out
 
 

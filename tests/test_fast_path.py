@@ -77,6 +77,23 @@ def test_max_pool_with_mask_routes_gradients_as_nn_max_pool2d_even_on_ties(kerne
     np.testing.assert_array_equal(pool(x).numpy(), results[1][0])
 
 
+@pytest.mark.parametrize("fill", [float("nan"), float("-inf")])
+def test_max_pool_with_mask_takes_windows_without_a_number_as_nn_max_pool2d(fill):
+    """A diverged step's NaN or -inf windows have no argmax (-1): the layer then gives nn.MaxPool2D's output and
+    gradient instead of letting Paddle's backward write outside the tensor."""
+    x = np.random.default_rng(0).normal(size=(2, 3, 8, 8)).astype("float32")
+    x[0, 0, :2, :2] = fill  # the first window, whose -1 would land before the buffer
+    x[1, 2] = fill
+    results = []
+    for pool in (MaxPool2D(2, 2), nn.MaxPool2D(2, 2)):
+        t = paddle.to_tensor(x, stop_gradient=False)
+        out = pool(t)
+        (out * paddle.arange(out.size, dtype="float32").reshape(out.shape)).sum().backward()
+        results.append((out.numpy(), t.grad.numpy()))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("name", ["cifar_cnn", "minigooglenet"])
 def test_conv_with_bias_added_by_rows_matches_nn_conv2d(name):
     """Every Conv2D and MaxPool2D of these models, run through nn.Conv2D's and nn.MaxPool2D's own forward instead,
