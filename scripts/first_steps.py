@@ -16,6 +16,7 @@ import math
 import statistics
 import sys
 import time
+import zlib  # noqa: F401 (before Paddle: Paddle 2.6's own zlib symbols would otherwise serve gzip and crash it)
 from dataclasses import dataclass
 
 import paddle
