@@ -24,8 +24,9 @@ def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
 
 
 class Conv2D(nn.Conv2D):
-    """nn.Conv2D (same parameters, same names, same output) whose bias is added by add_channel_bias, and whose
-    convolution, in float32 CPU training, runs by oneDNN where onednn.activate made that possible."""
+    """nn.Conv2D (same parameters, same names, same output) whose convolution, in float32 CPU training, runs by
+    oneDNN where onednn.activate made that possible, with the bias added inside it; elsewhere Paddle's convolution
+    runs and add_channel_bias adds the bias."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0, **kw):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, **kw)
@@ -38,7 +39,14 @@ class Conv2D(nn.Conv2D):
     def add_bias(self, y: paddle.Tensor) -> paddle.Tensor:
         return y if self.bias is None else add_channel_bias(y, self.bias)
 
+    def fused(self, x: paddle.Tensor) -> bool:
+        """Whether oneDNN adds the bias inside the convolution of x (its kernel adds it as it writes the output,
+        and sums its gradient in the weights' backward pass: Paddle's add and its gradient no longer run)."""
+        return self.bias is not None and onednn.runs(x)
+
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.fused(x):
+            return onednn.conv2d(x, self.weight, bias=self.bias, **self.geometry)
         return self.add_bias(self.convolve(x))
 
 
@@ -76,7 +84,8 @@ def conv_relu_pool(x: paddle.Tensor, conv: Conv2D, pool: nn.MaxPool2D) -> paddle
 
     Adding a per-channel constant and ReLU never lower a value, so they commute with taking a maximum, in floating
     point too (rounding is monotonic): the output is the same to the bit. The bias add, its gradient and the ReLU
-    then run on the pooled map, a quarter of the size.
+    then run on the pooled map, a quarter of the size. Also with oneDNN's convolutions: its bias inside the
+    convolution, on the whole map, made mnist_cnn's two blocks slower (docs/performance.md).
     """
     return F.relu(conv.add_bias(pool(conv.convolve(x))))
 

@@ -1,15 +1,17 @@
 """oneDNN convolutions for CPU training: built once per machine and Paddle version, checked, used, or left aside.
 
 Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per image, and never reaches oneDNN
-(docs/performance.md). csrc/onednn_conv.cc is a Paddle custom operator, with its gradient operator, that runs the
-convolution through oneDNN, linked against the libdnnl.so.3 that Paddle's CPU wheel already ships and compiled with
-the oneDNN headers of the `onednn-devel-cpu-gomp` package (requirements.txt).
+(docs/performance.md). csrc/onednn_conv.cc holds Paddle custom operators, with their gradient operators, that run
+the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which adds the bias inside the convolution.
+They are linked against the libdnnl.so.3 that Paddle's CPU wheel already ships and compiled with the oneDNN headers
+of the `onednn-devel-cpu-gomp` package (requirements.txt).
 
     prepare(backend)   before the process group: build (or find) the operator; several workers on one machine
                        build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".
     activate(...)      after it: load the build, check it against F.conv2d, and route Conv2D through it
-    conv2d(...)        what models.Conv2D calls: the operator where it is active (float32, CPU, dygraph), else
-                       F.conv2d (so paddle.jit.save, and with it Paddle Inference and ONNX, always get Paddle's)
+    runs(x)            whether the operator runs a convolution of x: active, float32, CPU, dygraph
+    conv2d(...)        what models.Conv2D calls: the operator where it runs, else F.conv2d (so paddle.jit.save,
+                       and with it Paddle Inference and ONNX, always get Paddle's)
 
 --conv-backend auto (the default) uses the operator where it builds and passes the check, and Paddle's
 convolution with one logged line saying why where it does not; onednn requires it (a run that cannot have it
@@ -40,7 +42,7 @@ from .datafiles import file_digest
 
 BACKENDS = ("auto", "onednn", "paddle")
 SOURCE = Path(__file__).with_name("csrc") / "onednn_conv.cc"
-NAME = "onednn_conv"  # the library's name; the operator is onednn_conv2d
+NAME = "onednn_conv"  # the library's name; its operators: onednn_conv2d and onednn_conv2d_bias
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
 HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
 BUILD_TIMEOUT_S = 900
@@ -63,7 +65,7 @@ module = cpp_extension.load(
 ctypes.CDLL(os.path.join(out, "onednn_conv", "onednn_conv.so"), mode=os.RTLD_NOW)
 sys.path.insert(0, package_parent)
 from paddle_mnist import onednn
-onednn.check(module.onednn_conv2d)
+onednn.check(module)
 """
 
 
@@ -81,7 +83,7 @@ class Prepared:
     reason: str = ""  # why Paddle's convolution is used
 
 
-_op = None  # the loaded operator's Python function, once activate() succeeded
+_ops = None  # the loaded operators' Python module (onednn_conv2d, onednn_conv2d_bias), once activate() succeeded
 
 
 def cache_root(environ: dict | os._Environ = os.environ) -> Path:
@@ -226,47 +228,59 @@ def prepare(backend: str) -> Prepared:
 
 
 def load(library: Path):
-    """Register the operator from its library and return its Python function."""
+    """Register the operators from their library and return their Python module."""
     from paddle.utils.cpp_extension import extension_utils
 
     with tempfile.TemporaryDirectory() as scratch:  # the generated Python wrapper is read once, at import
         names = extension_utils.load_op_meta_info_and_register_op(str(library))
         module = extension_utils._generate_python_module(NAME, names, scratch)
-    return module.onednn_conv2d
+    return module
 
 
-def check(op) -> None:
-    """The operator against F.conv2d on two small geometries (padded, strided and not): outputs and both
-    gradients. Unavailable where they differ: such a build is not used."""
+def check(ops) -> None:
+    """Both operators against F.conv2d on two small geometries (padded, strided and not): outputs and every
+    gradient. Unavailable where they differ: such a build is not used."""
     rng = paddle.get_rng_state()
     try:
         paddle.seed(0)
         for stride, padding, side, kernel in ((1, 2, 9, 5), (2, 0, 10, 3)):
-            x, w = paddle.randn([2, 3, side, side]), paddle.randn([4, 3, kernel, kernel])
-            ours = _output_and_grads(lambda: op(x, w, stride, padding, True), x, w)  # noqa: B023 (called here)
-            paddles = _output_and_grads(lambda: F.conv2d(x, w, stride=stride, padding=padding), x, w)  # noqa: B023
-            for name, a, b in zip(("output", "input gradient", "weight gradient"), ours, paddles):
-                if a.shape != b.shape or not np.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL * np.abs(b).max()):
-                    raise Unavailable(f"its {name} differs from F.conv2d's (stride {stride}, padding {padding})")
+            x, w, b = paddle.randn([2, 3, side, side]), paddle.randn([4, 3, kernel, kernel]), paddle.randn([4])
+            cases = (
+                ("", lambda: ops.onednn_conv2d(x, w, stride, padding, True), None),  # noqa: B023 (called here)
+                (" with a bias", lambda: ops.onednn_conv2d_bias(x, w, b, stride, padding, True), b),  # noqa: B023
+            )
+            for which, ours, bias in cases:
+                got = _output_and_grads(ours, x, w, bias)
+                want = _output_and_grads(lambda: F.conv2d(x, w, bias, stride, padding), x, w, bias)  # noqa: B023
+                names = ("output", "input gradient", "weight gradient", "bias gradient")
+                for name, a, e in zip(names, got, want):
+                    if a.shape != e.shape or not np.allclose(a, e, rtol=CHECK_RTOL, atol=CHECK_ATOL * np.abs(e).max()):
+                        raise Unavailable(
+                            f"its {name} differs from F.conv2d's{which} (stride {stride}, padding {padding})"
+                        )
     finally:
         paddle.set_rng_state(rng)
 
 
-def _output_and_grads(conv, x: paddle.Tensor, w: paddle.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    x.stop_gradient = w.stop_gradient = False
-    y = conv()
-    (y * y).sum().backward()
-    grads = (x.grad.numpy(), w.grad.numpy())
-    x.clear_gradient()
-    w.clear_gradient()
-    return (y.numpy(), *grads)
+def _output_and_grads(run, *inputs: paddle.Tensor | None) -> list[np.ndarray]:
+    """run()'s output and the gradients of sum(output * cos(output)) for each of the inputs given (None: left out):
+    a loss whose gradient differs from place to place."""
+    inputs = [t for t in inputs if t is not None]
+    for t in inputs:
+        t.stop_gradient = False
+    y = run()
+    (y * paddle.cos(y)).sum().backward()
+    grads = [t.grad.numpy() for t in inputs]
+    for t in inputs:
+        t.clear_gradient()
+    return [y.numpy(), *grads]
 
 
 def activate(prepared: Prepared, device: str) -> str:
     """Load and check the prepared build and route Conv2D through it; the line the log gets about it. Raises
     Unavailable where the user asked for oneDNN and cannot have it."""
-    global _op
-    _op = None
+    global _ops
+    _ops = None
     if prepared.library is None:
         return f"convolutions: Paddle's ({prepared.reason})"
     if device != "cpu":
@@ -274,8 +288,8 @@ def activate(prepared: Prepared, device: str) -> str:
             raise Unavailable(f"--conv-backend onednn runs on the CPU; this run's device is {device}")
         return f"convolutions: Paddle's (device {device})"
     try:
-        op = load(prepared.library)
-        check(op)
+        ops = load(prepared.library)
+        check(ops)
     except Unavailable as e:
         if prepared.backend == "onednn":
             raise
@@ -285,26 +299,36 @@ def activate(prepared: Prepared, device: str) -> str:
         if prepared.backend == "onednn":
             raise Unavailable(f"oneDNN's operator from {prepared.library} failed to load: {reason}") from None
         return f"convolutions: Paddle's (oneDNN's operator from {prepared.library} failed to load: {reason})"
-    _op = op
+    _ops = ops
     how = f"built in {prepared.built_s:.0f} s" if prepared.built_s is not None else "built before"
     return f"convolutions: oneDNN (custom operator, {how}: {prepared.library})"
 
 
 def deactivate() -> None:
-    global _op
-    _op = None
+    global _ops
+    _ops = None
 
 
 def active() -> bool:
-    return _op is not None
+    return _ops is not None
+
+
+@paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: False there
+def runs(x: paddle.Tensor) -> bool:
+    """Whether conv2d(x, ...) runs by oneDNN: the operator is active and x is a float32 CPU tensor in dygraph."""
+    return _ops is not None and x.dtype == paddle.float32 and paddle.in_dynamic_mode() and x.place.is_cpu_place()
 
 
 @paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: it then takes F.conv2d
-def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int) -> paddle.Tensor:
-    """F.conv2d(x, weight, stride=stride, padding=padding), by oneDNN where it is active and can run it."""
-    if _op is not None and x.dtype == paddle.float32 and paddle.in_dynamic_mode() and x.place.is_cpu_place():
-        return _op(x, weight, stride, padding, not x.stop_gradient)
-    return F.conv2d(x, weight, stride=stride, padding=padding)
+def conv2d(
+    x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias: paddle.Tensor | None = None
+) -> paddle.Tensor:
+    """F.conv2d(x, weight, bias, stride, padding), by oneDNN where it runs (runs(x))."""
+    if runs(x):
+        if bias is None:
+            return _ops.onednn_conv2d(x, weight, stride, padding, not x.stop_gradient)
+        return _ops.onednn_conv2d_bias(x, weight, bias, stride, padding, not x.stop_gradient)
+    return F.conv2d(x, weight, bias, stride=stride, padding=padding)
 
 
 OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so")  # oneDNN's (GNU) and MKL's (Intel) in Paddle's CPU wheels

@@ -24,22 +24,25 @@ SMALL = small_run(eval_limit=100, batch_size=64, epochs=1, log_every=None, lr=No
 
 @pytest.fixture(scope="module")
 def op():
-    """The operator, built or found as the trainer does; the tests fail, naming why, where it cannot be had."""
+    """The operators' module, built or found as the trainer does; the tests fail, naming why, where it cannot be
+    had."""
     prepared = onednn.prepare("auto")
     assert prepared.library is not None, f"the operator did not build here: {prepared.reason}"
     line = onednn.activate(prepared, "cpu")
     assert line.startswith("convolutions: oneDNN"), line
-    yield onednn._op
+    yield onednn._ops
     onednn.deactivate()
 
 
-def output_and_grads(conv, x: paddle.Tensor, w: paddle.Tensor):
-    x.stop_gradient = w.stop_gradient = False
-    y = conv(x, w)
+def output_and_grads(conv, *inputs: paddle.Tensor):
+    """conv(*inputs)'s output and the gradients of every input."""
+    for t in inputs:
+        t.stop_gradient = False
+    y = conv(*inputs)
     (y * paddle.cos(y)).sum().backward()  # a gradient that differs from place to place
-    result = y.numpy(), x.grad.numpy(), w.grad.numpy()
-    x.clear_gradient()
-    w.clear_gradient()
+    result = [y.numpy()] + [t.grad.numpy() for t in inputs]
+    for t in inputs:
+        t.clear_gradient()
     return result
 
 
@@ -56,37 +59,80 @@ GEOMETRIES = [
 ]
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"{g[1]}x{g[2]}-k{g[4]}s{g[5]}p{g[6]}" for g in GEOMETRIES])
-def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry):
+def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
     n, c, side, out, kernel, stride, padding = geometry
     rng = np.random.default_rng(side * kernel + c)
     x = paddle.to_tensor(rng.normal(size=(n, c, side, side)).astype("float32"))
     w = paddle.to_tensor((rng.normal(size=(out, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype("float32"))
-    ours = output_and_grads(lambda x, w: op(x, w, stride, padding, True), x, w)
-    paddles = output_and_grads(lambda x, w: F.conv2d(x, w, stride=stride, padding=padding), x, w)
-    for name, a, b in zip(("output", "input gradient", "weight gradient"), ours, paddles):
+    if bias:
+        b = paddle.to_tensor(rng.normal(size=(out,)).astype("float32"))
+        ours = output_and_grads(lambda x, w, b: op.onednn_conv2d_bias(x, w, b, stride, padding, True), x, w, b)
+        paddles = output_and_grads(lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=padding), x, w, b)
+    else:
+        ours = output_and_grads(lambda x, w: op.onednn_conv2d(x, w, stride, padding, True), x, w)
+        paddles = output_and_grads(lambda x, w: F.conv2d(x, w, stride=stride, padding=padding), x, w)
+    assert len(ours) == len(paddles) == (4 if bias else 3)
+    for name, a, b in zip(("output", "input gradient", "weight gradient", "bias gradient"), ours, paddles):
         assert a.shape == b.shape, name
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
 
 
-@pytest.mark.parametrize(("name", "shape"), [("mnist_cnn_bn_fc", (1, 28, 28)), ("minigooglenet", (3, 32, 32))])
-def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape):
+class Counted:
+    """The operators' module, counting the calls of each operator."""
+
+    def __init__(self, ops):
+        self.ops, self.calls = ops, {"onednn_conv2d": 0, "onednn_conv2d_bias": 0}
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls[name] += 1
+            return getattr(self.ops, name)(*args)
+
+        return call
+
+
+# the model, its input, and how many of its convolutions have a bias (oneDNN adds it) and how many have none
+MODELS = [
+    ("mnist_cnn", (1, 28, 28), 0, 2),  # its bias is added after the pool (models.conv_relu_pool)
+    ("mnist_cnn_bn_fc", (1, 28, 28), 0, 2),
+    ("minigooglenet", (3, 32, 32), 19, 0),
+    ("cifar_cnn", (3, 32, 32), 4, 0),
+]
+
+
+@pytest.mark.parametrize(("name", "shape", "biased", "plain"), MODELS, ids=[m[0] for m in MODELS])
+def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape, biased, plain):
+    """One training step from the same weights, by oneDNN's convolutions and by Paddle's: the same outputs,
+    gradients and batch norm running statistics, and every convolution ran by oneDNN, with its bias where it has
+    one."""
     paddle.seed(5)
     net = models.build_model(name, 10, shape)
-    x, y = paddle.randn([4, *shape]), paddle.randint(0, 10, [4])
+    start = {k: v.clone() for k, v in net.state_dict().items()}
+    x, y = paddle.randn([4, *shape]) * 2 + 0.5, paddle.randint(0, 10, [4])
     results = []
+    counted = Counted(op)
     for active in (True, False):
-        onednn._op = op if active else None
+        onednn._ops = counted if active else None
+        net.set_state_dict(start)
         net.clear_gradients()
         paddle.seed(9)  # the same dropout masks
         logits = net(x)
         F.cross_entropy(logits, y).backward()
-        results.append((logits.numpy(), {k: p.grad.numpy() for k, p in net.named_parameters() if p.grad is not None}))
-    onednn._op = op
+        grads = {k: p.grad.numpy() for k, p in net.named_parameters() if p.grad is not None}
+        buffers = {k: v.numpy() for k, v in net.state_dict().items() if k.endswith(("_mean", "_variance"))}
+        results.append((logits.numpy(), grads, buffers))
+    onednn._ops = op
+    assert counted.calls == {"onednn_conv2d_bias": biased, "onednn_conv2d": plain}
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     assert results[0][1].keys() == results[1][1].keys()
     for key, grad in results[0][1].items():
         np.testing.assert_allclose(grad, results[1][1][key], rtol=1e-3, atol=1e-5, err_msg=key)
+    assert len(results[0][2]) == 2 * sum(isinstance(m, paddle.nn.BatchNorm2D) for m in net.sublayers())
+    for key, value in results[0][2].items():
+        assert not np.allclose(value, start[key].numpy()), f"{key} did not move"
+        np.testing.assert_allclose(value, results[1][2][key], rtol=1e-4, atol=1e-6, err_msg=key)
 
 
 def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path):

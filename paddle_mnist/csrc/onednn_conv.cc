@@ -1,5 +1,7 @@
-// A 2-D convolution (no bias, no dilation, one group) on float32 NCHW CPU tensors, run by oneDNN: a Paddle custom
-// operator with its gradient operator, so dygraph autograd and DataParallel treat it as any other operator.
+// A 2-D convolution (no dilation, one group) on float32 NCHW CPU tensors, run by oneDNN: Paddle custom operators
+// with their gradient operators, so dygraph autograd and DataParallel treat them as any other operator.
+// onednn_conv2d has no bias; onednn_conv2d_bias adds one per output channel inside oneDNN's kernel, and its
+// gradient comes out of the same pass as the weights' (oneDNN's backward-weights primitive sums it there).
 //
 // paddle_mnist/onednn.py builds this file once per machine and Paddle version against the libdnnl.so.3 that
 // Paddle's CPU wheel ships, and uses it in place of F.conv2d for training on the CPU. oneDNN picks the memory
@@ -10,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 // The headers package was configured with oneDNN's experimental sparse memory, whose query function the
@@ -75,13 +78,20 @@ class Operand {
 
 struct Geometry {
   Dims src, weights, dst, strides, pad_left, pad_right;
+  bool bias;
   bool operator<(const Geometry& other) const {
-    return std::tie(src, weights, dst, strides, pad_left, pad_right) <
-           std::tie(other.src, other.weights, other.dst, other.strides, other.pad_left, other.pad_right);
+    return std::tie(src, weights, dst, strides, pad_left, pad_right, bias) <
+           std::tie(other.src, other.weights, other.dst, other.strides, other.pad_left, other.pad_right, other.bias);
   }
+  Dims bias_dims() const { return {weights[0]}; }
 };
 
-Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding) {
+memory::desc bias_desc(const Geometry& g) {
+  return memory::desc(g.bias_dims(), memory::data_type::f32, memory::format_tag::a);
+}
+
+Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
+                  bool bias) {
   const int64_t out_h = (x[2] + 2 * padding - w[2]) / stride + 1;
   const int64_t out_w = (x[3] + 2 * padding - w[3]) / stride + 1;
   // the right and bottom padding that make oneDNN's output size exactly F.conv2d's (it may be less than
@@ -89,7 +99,8 @@ Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, 
   const int64_t right_h = (out_h - 1) * stride + w[2] - x[2] - padding;
   const int64_t right_w = (out_w - 1) * stride + w[3] - x[3] - padding;
   return {{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], out_h, out_w},
-          {stride, stride},        {padding, padding},        {right_h, right_w}};
+          {stride, stride},        {padding, padding},        {right_h, right_w},
+          bias};
 }
 
 // The backward-data and backward-weights primitives of one geometry and their operands, made at its first backward
@@ -98,8 +109,12 @@ struct Backward {
   Backward(const Geometry& g, const dnnl::convolution_forward::primitive_desc& hint)
       : data_pd(cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights), any(g.dst),
                 g.strides, g.pad_left, g.pad_right, hint),
-        weights_pd(cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights), any(g.dst),
-                   g.strides, g.pad_left, g.pad_right, hint),
+        weights_pd(g.bias ? dnnl::convolution_backward_weights::primitive_desc(
+                                cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights),
+                                bias_desc(g), any(g.dst), g.strides, g.pad_left, g.pad_right, hint)
+                          : dnnl::convolution_backward_weights::primitive_desc(
+                                cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights),
+                                any(g.dst), g.strides, g.pad_left, g.pad_right, hint)),
         data(data_pd),
         weights(weights_pd),
         data_diff_dst(g.dst, data_pd.diff_dst_desc()),
@@ -123,8 +138,12 @@ struct Backward {
 struct Plan {
   explicit Plan(const Geometry& g)
       : geometry(g),
-        fwd_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(g.src),
-               any(g.weights), any(g.dst), g.strides, g.pad_left, g.pad_right),
+        fwd_pd(g.bias ? dnnl::convolution_forward::primitive_desc(
+                            cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+                            any(g.src), any(g.weights), bias_desc(g), any(g.dst), g.strides, g.pad_left, g.pad_right)
+                      : dnnl::convolution_forward::primitive_desc(
+                            cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+                            any(g.src), any(g.weights), any(g.dst), g.strides, g.pad_left, g.pad_right)),
         fwd(fwd_pd),
         fwd_src(g.src, fwd_pd.src_desc()),
         fwd_weights(g.weights, fwd_pd.weights_desc()),
@@ -142,9 +161,9 @@ struct Plan {
   std::unique_ptr<Backward> bwd;
 };
 
-Plan& plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding) {
+Plan& plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding, bool bias) {
   static std::map<Geometry, std::unique_ptr<Plan>> plans;
-  const Geometry g = geometry(x.shape(), w.shape(), stride, padding);
+  const Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias);
   auto found = plans.find(g);
   if (found == plans.end()) found = plans.emplace(g, std::make_unique<Plan>(g)).first;
   return *found->second;
@@ -156,34 +175,52 @@ void check(const paddle::Tensor& t, const char* name) {
   PD_CHECK(t.shape().size() == 4, "onednn_conv2d: ", name, " must have 4 dimensions");
 }
 
-}  // namespace
+void check_bias(const paddle::Tensor& b, const paddle::Tensor& w) {
+  PD_CHECK(b.is_cpu() && b.dtype() == paddle::DataType::FLOAT32, "onednn_conv2d: the bias must be float32 on the CPU");
+  PD_CHECK(b.shape().size() == 1 && b.shape()[0] == w.shape()[0], "onednn_conv2d: the bias must have one value per ",
+           "output channel");
+}
 
-std::vector<paddle::Tensor> ConvForward(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
-                                        bool input_grad) {
+// The forward pass; b is null for the operator without a bias.
+paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor* b, int stride,
+                       int padding) {
   check(x, "x");
   check(w, "weight");
-  Plan& p = plan_for(x, w, stride, padding);
+  Plan& p = plan_for(x, w, stride, padding, b != nullptr);
   const Dims& dst = p.geometry.dst;
   auto out = paddle::empty({dst[0], dst[1], dst[2], dst[3]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   float* out_data = out.data<float>();
-  p.fwd.execute(cpu_stream(), {{DNNL_ARG_SRC, p.fwd_src.input(x.data<float>())},
-                               {DNNL_ARG_WEIGHTS, p.fwd_weights.input(w.data<float>())},
-                               {DNNL_ARG_DST, p.fwd_dst.output(out_data)}});
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.fwd_src.input(x.data<float>())},
+                                          {DNNL_ARG_WEIGHTS, p.fwd_weights.input(w.data<float>())},
+                                          {DNNL_ARG_DST, p.fwd_dst.output(out_data)}};
+  if (b != nullptr) {
+    check_bias(*b, w);
+    args[DNNL_ARG_BIAS] = memory(bias_desc(p.geometry), cpu_engine(), const_cast<float*>(b->data<float>()));
+  }
+  p.fwd.execute(cpu_stream(), args);
   p.fwd_dst.finish(out_data);
   cpu_stream().wait();
-  return {out};
+  return out;
 }
 
-std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::Tensor& w,
-                                         const paddle::Tensor& grad_out, int stride, int padding, bool input_grad) {
+// The backward pass: the input's, the weights' and (where grad_b is given) the bias's gradients.
+std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
+                                     int stride, int padding, bool input_grad, bool bias) {
   check(grad_out, "the output's gradient");
-  Backward& p = plan_for(x, w, stride, padding).backward();
+  Plan& plan = plan_for(x, w, stride, padding, bias);
+  Backward& p = plan.backward();
   auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
   float* grad_w_data = grad_w.data<float>();
   memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
-  p.weights.execute(cpu_stream(), {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
-                                   {DNNL_ARG_DIFF_DST, diff_dst},
-                                   {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff_weights.output(grad_w_data)}});
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
+                                          {DNNL_ARG_DIFF_DST, diff_dst},
+                                          {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff_weights.output(grad_w_data)}};
+  paddle::Tensor grad_b;
+  if (bias) {
+    grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+    args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(plan.geometry), cpu_engine(), grad_b.data<float>());
+  }
+  p.weights.execute(cpu_stream(), args);
   p.weights_diff_weights.finish(grad_w_data);
   paddle::Tensor grad_x;
   if (input_grad) {
@@ -198,16 +235,51 @@ std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::
     grad_x = paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
   }
   cpu_stream().wait();
+  if (bias) return {grad_x, grad_w, grad_b};
   return {grad_x, grad_w};
+}
+
+}  // namespace
+
+std::vector<paddle::Tensor> ConvForward(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
+                                        bool input_grad) {
+  return {forward(x, w, nullptr, stride, padding)};
+}
+
+std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::Tensor& w,
+                                         const paddle::Tensor& grad_out, int stride, int padding, bool input_grad) {
+  return backward(x, w, grad_out, stride, padding, input_grad, false);
+}
+
+std::vector<paddle::Tensor> ConvBiasForward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
+                                            int stride, int padding, bool input_grad) {
+  return {forward(x, w, &b, stride, padding)};
+}
+
+std::vector<paddle::Tensor> ConvBiasBackward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
+                                             const paddle::Tensor& grad_out, int stride, int padding,
+                                             bool input_grad) {
+  return backward(x, w, grad_out, stride, padding, input_grad, true);
 }
 
 std::vector<std::vector<int64_t>> ConvInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                                  int stride, int padding, bool input_grad) {
-  const Geometry g = geometry(x, w, stride, padding);
+  const Geometry g = geometry(x, w, stride, padding, false);
   return {{x[0], w[0], g.dst[2], g.dst[3]}};
 }
 
+std::vector<std::vector<int64_t>> ConvBiasInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                     const std::vector<int64_t>& b, int stride, int padding,
+                                                     bool input_grad) {
+  return ConvInferShape(x, w, stride, padding, input_grad);
+}
+
 std::vector<paddle::DataType> ConvInferDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
+
+std::vector<paddle::DataType> ConvBiasInferDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                                 const paddle::DataType& b) {
+  return {x};
+}
 
 PD_BUILD_OP(onednn_conv2d)
     .Inputs({"X", "W"})
@@ -222,3 +294,17 @@ PD_BUILD_GRAD_OP(onednn_conv2d)
     .Outputs({paddle::Grad("X"), paddle::Grad("W")})
     .Attrs({"stride: int", "padding: int", "input_grad: bool"})
     .SetKernelFn(PD_KERNEL(ConvBackward));
+
+PD_BUILD_OP(onednn_conv2d_bias)
+    .Inputs({"X", "W", "B"})
+    .Outputs({"Out"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ConvBiasForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(ConvBiasInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ConvBiasInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_conv2d_bias)
+    .Inputs({"X", "W", "B", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B")})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ConvBiasBackward));
