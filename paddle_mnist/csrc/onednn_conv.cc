@@ -203,7 +203,7 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
   return out;
 }
 
-// The backward pass: the input's, the weights' and (where grad_b is given) the bias's gradients.
+// The backward pass: the input's and the weights' gradients, and the bias's where the operator has one.
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
                                      int stride, int padding, bool input_grad, bool bias) {
   check(grad_out, "the output's gradient");
