@@ -54,6 +54,10 @@ class MaxPool2D(nn.MaxPool2D):
     """nn.MaxPool2D that, in training, also keeps where each window's maximum was: the same output, and a backward
     pass that only scatters (docs/performance.md has its cost against Paddle's).
 
+    For 2x2 windows of stride 2 where the custom operators are active (onednn.pools: float32 CPU training), that is
+    the max_pool2x2 operator of csrc/max_pool.cc, which runs four windows at a time and matches F.max_pool2d to the
+    bit, NaN included. Elsewhere it is Paddle's kernel with the mask, as follows.
+
     Paddle's max-pool backward on the CPU searches every window again for the input equal to its maximum; the
     kernel that returns the mask records that position in the forward pass (the first maximum, as the search
     finds), so the gradient goes to the same input, to the bit. In evaluation, and so in the exported model, it is
@@ -71,12 +75,22 @@ class MaxPool2D(nn.MaxPool2D):
         # then finds no class to start from
         if not self.training or self.return_mask or self.data_format != "NCHW":
             return nn.MaxPool2D.forward(self, x)
+        kernel, stride, padding = (_square(v) for v in (self.ksize, self.stride or self.ksize, self.padding))
+        if None not in (kernel, stride, padding) and onednn.pools(x, kernel, stride, padding, self.ceil_mode):
+            return onednn.max_pool2x2(x)
         out, mask = F.max_pool2d(
             x, self.ksize, self.stride, self.padding, ceil_mode=self.ceil_mode, return_mask=True, name=self.name
         )
         if x.place.is_cpu_place() and int(mask.min()) < 0:
             return nn.MaxPool2D.forward(self, x)
         return out
+
+
+def _square(v: int | list | tuple) -> int | None:
+    """A pooling setting given as one int, or as a pair of equal ones: that int; else None."""
+    if isinstance(v, int):
+        return v
+    return v[0] if isinstance(v, (list, tuple)) and len(v) == 2 and v[0] == v[1] and isinstance(v[0], int) else None
 
 
 def conv_relu_pool(x: paddle.Tensor, conv: Conv2D, pool: nn.MaxPool2D) -> paddle.Tensor:

@@ -41,8 +41,8 @@ import paddle.nn.functional as F
 from .datafiles import file_digest
 
 BACKENDS = ("auto", "onednn", "paddle")
-SOURCE = Path(__file__).with_name("csrc") / "onednn_conv.cc"
-NAME = "onednn_conv"  # the library's name; its operators: onednn_conv2d and onednn_conv2d_bias
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("onednn_conv.cc", "max_pool.cc"))
+NAME = "onednn_conv"  # the library's name; its operators: onednn_conv2d, onednn_conv2d_bias and max_pool2x2
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
 HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
 BUILD_TIMEOUT_S = 900
@@ -54,9 +54,9 @@ CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-4
 BUILD_SCRIPT = """
 import ctypes, os, sys
 from paddle.utils import cpp_extension
-source, out, include, libs, package_parent = sys.argv[1:6]
+sources, out, include, libs, package_parent = sys.argv[1:6]
 module = cpp_extension.load(
-    name="onednn_conv", sources=[source], extra_include_paths=[include],
+    name="onednn_conv", sources=sources.split(os.pathsep), extra_include_paths=[include],
     extra_cxx_cflags=["-O3", "-std=c++17"],
     extra_ldflags=[f"-L{libs}", "-l:libdnnl.so.3", f"-Wl,-rpath,{libs}"],
     build_directory=out,
@@ -128,7 +128,7 @@ def compiler() -> str:
 
 def build_key(include: Path, libs: Path) -> str:
     """Everything a build depends on: the source, Paddle, its libdnnl, the headers, the compiler and Python."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
     version = (include / "oneapi" / "dnnl" / "dnnl_version.h").read_bytes()
     dnnl = (libs / "libdnnl.so.3").stat()
     commit = getattr(paddle.version, "commit", "")
@@ -151,7 +151,8 @@ def _compile(folder: Path, include: Path, libs: Path) -> None:
     lines where it fails."""
     folder.mkdir()
     package_parent = str(Path(__file__).resolve().parent.parent)
-    cmd = [sys.executable, "-c", BUILD_SCRIPT, str(SOURCE), str(folder), str(include), str(libs), package_parent]
+    sources = os.pathsep.join(map(str, SOURCES))
+    cmd = [sys.executable, "-c", BUILD_SCRIPT, sources, str(folder), str(include), str(libs), package_parent]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -258,8 +259,24 @@ def check(ops) -> None:
                         raise Unavailable(
                             f"its {name} differs from F.conv2d's{which} (stride {stride}, padding {padding})"
                         )
+        check_max_pool(ops)
     finally:
         paddle.set_rng_state(rng)
+
+
+def check_max_pool(ops) -> None:
+    """max_pool2x2 against F.max_pool2d, to the bit, outputs and input gradients: ties, NaN, infinities and a
+    window of -inf, on maps with even and odd sides, and rows of fewer than 4 outputs and of a number not a
+    multiple of 4."""
+    for shape in ([2, 3, 9, 9], [2, 3, 7, 6], [1, 2, 14, 15]):
+        x = paddle.round(paddle.randn(shape) * 2) / 2  # halves: many windows hold their maximum twice
+        x[0, 0, 0, 0], x[0, 1, 4, 4], x[-1, -1, -1, -2] = float("nan"), float("inf"), float("nan")
+        x[0, 0, 2:4, 2:4] = float("-inf")
+        got = _output_and_grads(lambda: ops.max_pool2x2(x)[0], x)  # noqa: B023 (called here)
+        want = _output_and_grads(lambda: F.max_pool2d(x, 2, 2), x)  # noqa: B023
+        for name, a, e in zip(("output", "input gradient"), got, want):
+            if a.shape != e.shape or not np.array_equal(a, e, equal_nan=True):
+                raise Unavailable(f"its max-pool {name} differs from F.max_pool2d's (a {shape[2]}x{shape[3]} map)")
 
 
 def _output_and_grads(run, *inputs: paddle.Tensor | None) -> list[np.ndarray]:
@@ -329,6 +346,18 @@ def conv2d(
             return _ops.onednn_conv2d(x, weight, stride, padding, not x.stop_gradient)
         return _ops.onednn_conv2d_bias(x, weight, bias, stride, padding, not x.stop_gradient)
     return F.conv2d(x, weight, bias, stride=stride, padding=padding)
+
+
+def pools(x: paddle.Tensor, kernel: int, stride: int, padding: int, ceil_mode: bool) -> bool:
+    """Whether max_pool2x2(x) computes F.max_pool2d(x, kernel, stride, padding, ceil_mode): a 2x2 window of stride
+    2 without padding, in floor mode, where the operator runs (runs(x))."""
+    return kernel == 2 and stride == 2 and padding == 0 and not ceil_mode and runs(x)
+
+
+@paddle.jit.not_to_static
+def max_pool2x2(x: paddle.Tensor) -> paddle.Tensor:
+    """F.max_pool2d(x, 2, 2) by the operator of csrc/max_pool.cc; for where pools(x, ...) holds."""
+    return _ops.max_pool2x2(x)[0]
 
 
 OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so")  # oneDNN's (GNU) and MKL's (Intel) in Paddle's CPU wheels

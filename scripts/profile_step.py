@@ -34,6 +34,7 @@ def main() -> int:
     args = p.parse_args()
     if not args.no_mkl_setting:
         cpu.prefer_fast_kernels()
+    cpu.steady_malloc()  # as the trainer: its buffers from the heap, not mapped afresh every step
     import paddle  # after the MKL setting, which MKL reads at its first call
     import paddle.profiler as profiler
 

@@ -7,6 +7,7 @@ would; the tests of building itself use a cache of their own.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,7 @@ class Counted:
     """The operators' module, counting the calls of each operator."""
 
     def __init__(self, ops):
-        self.ops, self.calls = ops, {"onednn_conv2d": 0, "onednn_conv2d_bias": 0}
+        self.ops, self.calls = ops, {"onednn_conv2d": 0, "onednn_conv2d_bias": 0, "max_pool2x2": 0}
 
     def __getattr__(self, name):
         def call(*args):
@@ -93,20 +94,21 @@ class Counted:
         return call
 
 
-# the model, its input, and how many of its convolutions have a bias (oneDNN adds it) and how many have none
+# the model, its input, how many of its convolutions have a bias (oneDNN adds it) and how many have none, and how
+# many of its pools are 2x2 of stride 2 (the max_pool2x2 operator runs them)
 MODELS = [
-    ("mnist_cnn", (1, 28, 28), 0, 2),  # its bias is added after the pool (models.conv_relu_pool)
-    ("mnist_cnn_bn_fc", (1, 28, 28), 0, 2),
-    ("minigooglenet", (3, 32, 32), 19, 0),
-    ("cifar_cnn", (3, 32, 32), 4, 0),
+    ("mnist_cnn", (1, 28, 28), 0, 2, 2),  # its bias is added after the pool (models.conv_relu_pool)
+    ("mnist_cnn_bn_fc", (1, 28, 28), 0, 2, 2),
+    ("minigooglenet", (3, 32, 32), 19, 0, 0),  # its pools are 3x3 of stride 2: Paddle's kernel
+    ("cifar_cnn", (3, 32, 32), 4, 0, 2),
 ]
 
 
-@pytest.mark.parametrize(("name", "shape", "biased", "plain"), MODELS, ids=[m[0] for m in MODELS])
-def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape, biased, plain):
-    """One training step from the same weights, by oneDNN's convolutions and by Paddle's: the same outputs,
-    gradients and batch norm running statistics, and every convolution ran by oneDNN, with its bias where it has
-    one."""
+@pytest.mark.parametrize(("name", "shape", "biased", "plain", "pools"), MODELS, ids=[m[0] for m in MODELS])
+def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape, biased, plain, pools):
+    """One training step from the same weights, by the custom operators and by Paddle's: the same outputs,
+    gradients and batch norm running statistics, every convolution run by oneDNN, with its bias where it has one,
+    and every 2x2 pool by max_pool2x2."""
     paddle.seed(5)
     net = models.build_model(name, 10, shape)
     start = {k: v.clone() for k, v in net.state_dict().items()}
@@ -124,7 +126,7 @@ def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, 
         buffers = {k: v.numpy() for k, v in net.state_dict().items() if k.endswith(("_mean", "_variance"))}
         results.append((logits.numpy(), grads, buffers))
     onednn._ops = op
-    assert counted.calls == {"onednn_conv2d_bias": biased, "onednn_conv2d": plain}
+    assert counted.calls == {"onednn_conv2d_bias": biased, "onednn_conv2d": plain, "max_pool2x2": pools}
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     assert results[0][1].keys() == results[1][1].keys()
     for key, grad in results[0][1].items():
@@ -133,6 +135,82 @@ def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, 
     for key, value in results[0][2].items():
         assert not np.allclose(value, start[key].numpy()), f"{key} did not move"
         np.testing.assert_allclose(value, results[1][2][key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+# (batch, channels, height, width): the models' pools (28 -> 14 -> 7, cifar_cnn's 30 -> 15 and 13 -> 6), and
+# maps of odd sides whose rows hold fewer than 4 outputs
+POOLS = [(8, 20, 28, 28), (8, 20, 14, 14), (4, 32, 30, 30), (4, 64, 13, 13), (3, 2, 7, 6), (2, 3, 5, 9)]
+
+
+@pytest.mark.parametrize("shape", POOLS, ids=["x".join(map(str, s[2:])) for s in POOLS])
+def test_max_pool2x2_gives_f_max_pool2ds_numbers_to_the_bit(op, shape):
+    """Outputs and input gradients equal to F.max_pool2d's (2x2, stride 2) bit for bit, on maps holding ties
+    (values rounded to halves), NaN, +inf and windows of NaN and of -inf."""
+    rng = np.random.default_rng(sum(shape))
+    data = np.round(rng.normal(size=shape) * 2) / 2
+    data[0, 0, :2, :2] = np.nan  # a window of NaN: its output is NaN, and no input takes its gradient
+    data[0, 1, 0, 0], data[-1, -1, 2, 1], data[0, -1, -1, -1] = np.nan, np.inf, np.nan  # one NaN among numbers
+    data[-1, 0, :2, :2] = -np.inf  # its output is -FLT_MAX, and no input takes its gradient
+    x = paddle.to_tensor(data.astype("float32"))
+    ours = output_and_grads(lambda x: op.max_pool2x2(x)[0], x)
+    paddles = output_and_grads(lambda x: F.max_pool2d(x, 2, 2), x)
+    for name, a, b in zip(("output", "input gradient"), ours, paddles):
+        assert a.shape == b.shape, name
+        assert np.array_equal(a, b, equal_nan=True), f"{name}: {np.sum(~((a == b) | (np.isnan(a) & np.isnan(b))))}"
+        assert np.array_equal(np.signbit(a), np.signbit(b)), f"{name}: the signs of zeros differ"
+    assert np.isnan(ours[0]).any() and (ours[0] == -np.finfo("float32").max).any()  # the cases were there
+
+
+class SpreadGradient(paddle.autograd.PyLayer):
+    """F.max_pool2d's output, with a gradient shared among the window's four inputs instead of given to its
+    maximum."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return F.max_pool2d(x, 2, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spread = paddle.repeat_interleave(paddle.repeat_interleave(grad / 4, 2, axis=2), 2, axis=3)
+        return F.pad(spread, [0, ctx.shape[3] % 2, 0, ctx.shape[2] % 2])
+
+
+class SpreadGradientPool:
+    def max_pool2x2(self, x):
+        return [SpreadGradient.apply(x)]
+
+
+def test_the_build_check_refuses_a_max_pool_with_another_gradient():
+    """onednn.check_max_pool, which every build passes before it is used, fails an operator whose outputs are
+    right and whose gradient is not."""
+    with pytest.raises(onednn.Unavailable, match="max-pool input gradient differs"):
+        onednn.check_max_pool(SpreadGradientPool())
+
+
+def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it(op):
+    """The backward-weights primitive of a 1-channel input is a direct kernel, never im2col and a GEMM or the
+    reference loops, and with oneDNN 3.6 (Paddle 3.3) its kernel for first layers, which takes the input in NCHW
+    instead of padding the channel to 8 (8 times the work); oneDNN 3.2 (Paddle 2.6) has none for NCHW, and the
+    primitive takes the blocked layout there. Read from oneDNN's own log of what ran."""
+    code = (
+        "import paddle; from paddle_mnist import onednn as o; "
+        "print(o.activate(o.prepare('onednn'), 'cpu')); "
+        "x, w = paddle.randn([8, 1, 28, 28]), paddle.randn([20, 1, 5, 5]); w.stop_gradient = False; "
+        "o.conv2d(x, w, 1, 2).sum().backward()"
+    )
+    env = launch_env() | {"ONEDNN_VERBOSE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    ran = [line for line in proc.stdout.splitlines() if ",exec," in line and "mb8_ic1oc20" in line]
+    weights = [line for line in ran if "backward_weights" in line]
+    assert len(weights) == 1, ran
+    kernel = weights[0].split(",convolution,")[1].split(",")[0]
+    assert kernel.startswith("jit") and "gemm" not in kernel, weights[0]
+    version = re.search(r"oneDNN v(\d+)\.(\d+)", proc.stdout)
+    assert version, proc.stdout[:500]
+    if tuple(map(int, version.groups())) >= (3, 6):
+        assert re.search(r"src[:_]f32::blocked:abcd:", weights[0]), weights[0]
 
 
 def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path):
@@ -144,6 +222,7 @@ def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path)
     paddle.jit.save(net, str(tmp_path / "model"), input_spec=[spec])
     program = next(p for p in tmp_path.iterdir() if p.suffix in (".json", ".pdmodel")).read_bytes()
     assert b"conv2d" in program and b"onednn_conv2d" not in program
+    assert b"pool2d" in program and b"max_pool2x2" not in program
 
 
 def test_openmp_threads_reach_both_runtimes():
