@@ -3,15 +3,19 @@
 Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per image, and never reaches oneDNN
 (docs/performance.md). csrc/onednn_conv.cc holds Paddle custom operators, with their gradient operators, that run
 the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which adds the bias inside the convolution.
-They are linked against the libdnnl.so.3 that Paddle's CPU wheel already ships and compiled with the oneDNN headers
-of the `onednn-devel-cpu-gomp` package (requirements.txt).
+csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
+bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). Built together, linked against the
+libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-cpu-gomp` package
+(requirements.txt).
 
     prepare(backend)   before the process group: build (or find) the operator; several workers on one machine
                        build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".
-    activate(...)      after it: load the build, check it against F.conv2d, and route Conv2D through it
+    activate(...)      after it: load the build, check it against F.conv2d and F.max_pool2d, and route Conv2D
+                       and MaxPool2D through it
     runs(x)            whether the operator runs a convolution of x: active, float32, CPU, dygraph
     conv2d(...)        what models.Conv2D calls: the operator where it runs, else F.conv2d (so paddle.jit.save,
                        and with it Paddle Inference and ONNX, always get Paddle's)
+    pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x
 
 --conv-backend auto (the default) uses the operator where it builds and passes the check, and Paddle's
 convolution with one logged line saying why where it does not; onednn requires it (a run that cannot have it
@@ -83,7 +87,7 @@ class Prepared:
     reason: str = ""  # why Paddle's convolution is used
 
 
-_ops = None  # the loaded operators' Python module (onednn_conv2d, onednn_conv2d_bias), once activate() succeeded
+_ops = None  # the loaded operators' Python module (onednn_conv2d, onednn_conv2d_bias, max_pool2x2), once active
 
 
 def cache_root(environ: dict | os._Environ = os.environ) -> Path:
@@ -239,8 +243,9 @@ def load(library: Path):
 
 
 def check(ops) -> None:
-    """Both operators against F.conv2d on two small geometries (padded, strided and not): outputs and every
-    gradient. Unavailable where they differ: such a build is not used."""
+    """Both convolutions against F.conv2d on two small geometries (padded, strided and not), outputs and every
+    gradient, and the max-pool against F.max_pool2d (check_max_pool). Unavailable where they differ: such a build
+    is not used."""
     rng = paddle.get_rng_state()
     try:
         paddle.seed(0)
