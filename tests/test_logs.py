@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -148,9 +149,12 @@ def test_a_reused_log_dir_is_read_for_its_last_run_only(tmp_path, data_dir):
     one read. The finished run's logs start with the trainer's own lines: Paddle's notes are quieted."""
     args = [*ARGS, "--data-dir", str(data_dir), "--train-limit", "256", "--epochs", "1", "--output-dir"]
     launcher = ["paddle.distributed.launch", "--nproc_per_node", "2"]
+    # a refused run: the launcher exits with the code of whichever worker it reads after stopping the other, 2 from
+    # the refusal or 241 (-15) from the worker it stopped before that one got to its own refusal
     for n, run_args in enumerate(([*args, str(tmp_path / "o"), "--lr", "-1"], [*args, str(tmp_path / "o")]), 1):
         with reaped(start(launcher, run_args, tmp_path)) as job:
-            assert job.wait(timeout=300) == (2 if n == 1 else 0), (tmp_path / "launcher.out").read_text()
+            code = job.wait(timeout=300)
+            assert (code != 0) if n == 1 else (code == 0), (tmp_path / "launcher.out").read_text()
     summary = summarise(tmp_path / "log")
     assert summary.splitlines()[0] == (
         "workerlog.0, workerlog.1 also hold 1 earlier run (the launcher appends to a reused --log_dir): ignored, "
@@ -165,9 +169,9 @@ def test_a_reused_log_dir_is_read_for_its_last_run_only(tmp_path, data_dir):
         assert f"[rank {rank}/2] rank {rank} of world size 2" in lines[starts[1] + 1], lines[starts[1] :]
         assert not [line for line in lines[starts[1] :] if "UserWarning" in line or line.startswith("I")], lines
     with reaped(start(launcher, [*args, str(tmp_path / "o2"), "--lr", "-1"], tmp_path)) as job:
-        assert job.wait(timeout=300) == 2
+        assert job.wait(timeout=300) != 0
     summary = summarise(tmp_path / "log")
-    assert "also hold 2 earlier runs" in summary and "rank 0   error" in summary, summary
+    assert "also hold 2 earlier runs" in summary and re.search(r"rank [01]   error", summary), summary
     assert "--lr must be positive, got -1.0" in summary, summary
 
 
