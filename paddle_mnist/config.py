@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "onednn", "paddle"),
         help="convolutions for float32 training on the CPU: auto uses oneDNN's (a custom operator built once per "
         "machine and Paddle version, then cached) where it builds and checks out, else Paddle's with one log line "
-        "saying why; onednn requires it; paddle never builds it. The weights and the exported model are the same",
+        "saying why (the same build holds the 2x2 max-pool it uses with them); onednn requires it; paddle never "
+        "builds it. The weights and the exported model are the same",
     )
     _add_count(
         p,
