@@ -4,9 +4,9 @@ Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per ima
 (docs/performance.md). csrc/onednn_conv.cc holds Paddle custom operators, with their gradient operators, that run
 the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which adds the bias inside the convolution.
 csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
-bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). Built together, linked against the
-libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-cpu-gomp` package
-(requirements.txt).
+bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). Both files build into one library,
+linked against the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the
+`onednn-devel-cpu-gomp` package (requirements.txt).
 
     prepare(backend)   before the process group: build (or find) the operator; several workers on one machine
                        build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".
