@@ -181,14 +181,23 @@ def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
     return (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
 
 
-def conv_module(in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
-    """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this)."""
-    pad = kernel // 2 if padding == "same" else 0
-    return nn.Sequential(
-        Conv2D(in_channels, out_channels, kernel, stride=stride, padding=pad),
-        nn.BatchNorm2D(out_channels),
-        nn.ReLU(),
-    )
+class ConvModule(nn.Sequential):
+    """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this).
+
+    blocked(x) is the same in training by oneDNN (onednn.conv_bn_relu), its input NCHW or blocked by 8 channels
+    and its output blocked (csrc/blocked.cc).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
+        pad = kernel // 2 if padding == "same" else 0
+        super().__init__(
+            Conv2D(in_channels, out_channels, kernel, stride=stride, padding=pad),
+            nn.BatchNorm2D(out_channels),
+            nn.ReLU(),
+        )
+
+    def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
+        return onednn.conv_bn_relu(x, self[0], self[1])
 
 
 class Inception(nn.Layer):
@@ -196,12 +205,16 @@ class Inception(nn.Layer):
 
     def __init__(self, in_channels: int, k1: int, k3: int):
         super().__init__()
-        self.b1 = conv_module(in_channels, k1, 1)
-        self.b3 = conv_module(in_channels, k3, 3)
+        self.b1 = ConvModule(in_channels, k1, 1)
+        self.b3 = ConvModule(in_channels, k3, 3)
         self.out_channels = k1 + k3
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.concat([self.b1(x), self.b3(x)], axis=1)
+
+    def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
+        # axis 1 of a blocked map counts blocks of 8 channels, and each part holds whole blocks
+        return paddle.concat([self.b1.blocked(x), self.b3.blocked(x)], axis=1)
 
 
 class Downsample(nn.Layer):
@@ -209,12 +222,15 @@ class Downsample(nn.Layer):
 
     def __init__(self, in_channels: int, k: int):
         super().__init__()
-        self.conv = conv_module(in_channels, k, 3, stride=2, padding="valid")
+        self.conv = ConvModule(in_channels, k, 3, stride=2, padding="valid")
         self.pool = MaxPool2D(3, stride=2)
         self.out_channels = k + in_channels
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         return paddle.concat([self.conv(x), self.pool(x)], axis=1)
+
+    def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.concat([self.conv.blocked(x), onednn.max_pool_blocked(x, 3, 2)], axis=1)
 
 
 class MiniGoogLeNet(nn.Layer):
@@ -238,7 +254,7 @@ class MiniGoogLeNet(nn.Layer):
         super().__init__()
         if min(_sides(image_size)) < 28:
             raise ValueError(f"minigooglenet needs images of at least 28x28, got {image_size}")
-        layers = [conv_module(in_channels, 96, 3)]
+        layers = [ConvModule(in_channels, 96, 3)]
         channels = 96
         for kind, sizes in self.PLAN:
             block = Inception(channels, *sizes) if kind == "i" else Downsample(channels, *sizes)
@@ -252,8 +268,19 @@ class MiniGoogLeNet(nn.Layer):
         self.fc = nn.Linear(channels, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        x = paddle.flatten(self.pool(self.features(x)), 1)
+        if self.training and onednn.blocks(x):
+            x = self.blocked_features(x)
+        else:
+            x = paddle.flatten(self.pool(self.features(x)), 1)
         return self.fc(self.dropout(x))
+
+    def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
+        """paddle.flatten(self.pool(self.features(x)), 1) in training by oneDNN, the maps blocked by 8 channels
+        between the first conv module and the global average pool (every width here is a multiple of 8): no
+        reorder around each convolution, and batch norm, ReLU and the max-pools on every thread."""
+        for layer in self.features:
+            x = layer.blocked(x)
+        return x.mean([2, 3]).flatten(1)  # [N, C/8, 8] -> [N, C]: channel b * 8 + i, as in NCHW
 
 
 class CifarCNN(nn.Layer):

@@ -45,7 +45,9 @@ import paddle.nn.functional as F
 from .datafiles import file_digest
 
 BACKENDS = ("auto", "onednn", "paddle")
-SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("onednn_conv.cc", "max_pool.cc"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(CSRC / name for name in ("onednn_conv.cc", "blocked.cc", "max_pool.cc"))
+INCLUDES = (CSRC / "onednn_common.h",)  # what the sources include from beside them
 NAME = "onednn_conv"  # the library's name; its operators: onednn_conv2d, onednn_conv2d_bias and max_pool2x2
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
 HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
@@ -132,7 +134,7 @@ def compiler() -> str:
 
 def build_key(include: Path, libs: Path) -> str:
     """Everything a build depends on: the source, Paddle, its libdnnl, the headers, the compiler and Python."""
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES))
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + INCLUDES))
     version = (include / "oneapi" / "dnnl" / "dnnl_version.h").read_bytes()
     dnnl = (libs / "libdnnl.so.3").stat()
     commit = getattr(paddle.version, "commit", "")
@@ -265,6 +267,7 @@ def check(ops) -> None:
                             f"its {name} differs from F.conv2d's{which} (stride {stride}, padding {padding})"
                         )
         check_max_pool(ops)
+        check_blocked(ops)
     finally:
         paddle.set_rng_state(rng)
 
@@ -282,6 +285,42 @@ def check_max_pool(ops) -> None:
         for name, a, e in zip(("output", "input gradient"), got, want):
             if a.shape != e.shape or not np.array_equal(a, e, equal_nan=True):
                 raise Unavailable(f"its max-pool {name} differs from F.max_pool2d's (a {shape[2]}x{shape[3]} map)")
+
+
+def check_blocked(ops) -> None:
+    """The blocked operators (csrc/blocked.cc) against Paddle's layers: a conv module on an NCHW image and on a
+    blocked map (3x3, stride 2, unpadded: oneDNN's right padding is then negative), outputs, every gradient and the
+    running statistics, and the 3x3 max-pool of stride 2 on a map of odd side."""
+    from paddle import nn
+
+    image, blocked_map = paddle.randn([2, 3, 9, 9]), paddle.randn([2, 2, 9, 9, 8])
+    for x, stride, padding in ((image, 1, 1), (blocked_map, 2, 0)):
+        with paddle.utils.unique_name.guard():  # names of their own: the model's parameters, built later, keep theirs
+            conv, norm = nn.Conv2D(_channels(x), 16, 3, stride=stride, padding=padding), nn.BatchNorm2D(16)
+        conv.geometry = {"stride": stride, "padding": padding}
+        norm.weight.set_value(paddle.rand([16]) + 0.5)
+        norm.bias.set_value(paddle.randn([16]))
+        params = (conv.weight, conv.bias, norm.weight, norm.bias)
+        ours = _output_and_grads(lambda: unblock(conv_bn_relu(x, conv, norm, ops)), x, *params)  # noqa: B023
+        ours += [norm._mean.numpy(), norm._variance.numpy()]
+        norm._mean.set_value(paddle.zeros([16]))
+        norm._variance.set_value(paddle.ones([16]))
+        want = _output_and_grads(lambda: F.relu(norm(conv(unblock(x) if x.ndim == 5 else x))), x, *params)  # noqa: B023
+        want += [norm._mean.numpy(), norm._variance.numpy()]
+        names = ("output", "input", "weight", "bias", "scale", "shift", "running mean", "running variance")
+        for name, a, e in zip(names, ours, want):
+            # the convolution's bias gradient is 0 but for rounding (batch norm subtracts the mean): compared to 1
+            if a.shape != e.shape or not np.allclose(a, e, rtol=CHECK_RTOL, atol=CHECK_ATOL * max(np.abs(e).max(), 1)):
+                raise Unavailable(f"its conv module's {name} differs from Paddle's layers' (stride {stride})")
+    got = _output_and_grads(lambda: unblock(max_pool_blocked(blocked_map, 3, 2, ops)), blocked_map)
+    want = _output_and_grads(lambda: F.max_pool2d(unblock(blocked_map), 3, 2), blocked_map)
+    for name, a, e in zip(("output", "input gradient"), got, want):
+        if a.shape != e.shape or not np.allclose(a, e, rtol=CHECK_RTOL, atol=CHECK_ATOL * np.abs(e).max()):
+            raise Unavailable(f"its blocked max-pool {name} differs from F.max_pool2d's")
+
+
+def _channels(x: paddle.Tensor) -> int:
+    return x.shape[1] * x.shape[4] if x.ndim == 5 else x.shape[1]
 
 
 def _output_and_grads(run, *inputs: paddle.Tensor | None) -> list[np.ndarray]:
@@ -363,6 +402,43 @@ def pools(x: paddle.Tensor, kernel: int, stride: int, padding: int, ceil_mode: b
 def max_pool2x2(x: paddle.Tensor) -> paddle.Tensor:
     """F.max_pool2d(x, 2, 2) by the operator of csrc/max_pool.cc; for where pools(x, ...) holds."""
     return _ops.max_pool2x2(x)[0]
+
+
+def blocks(x: paddle.Tensor) -> bool:
+    """Whether conv_bn_relu and max_pool_blocked run on x: where the operators run (runs(x)). MiniGoogLeNet then
+    trains in oneDNN's layout blocked by 8 channels (csrc/blocked.cc)."""
+    return runs(x)
+
+
+@paddle.jit.not_to_static
+def conv_bn_relu(x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None) -> paddle.Tensor:
+    """relu(norm(conv(x))) in training, by oneDNN: x NCHW or blocked [N, C/8, H, W, 8], the output blocked.
+
+    The batch norm normalises by the batch's mean and biased variance, and its running averages move as Paddle's
+    do: running = momentum * running + (1 - momentum) * batch. conv is a models.Conv2D (its geometry); ops, the
+    operators' module where it is not the active one (check).
+    """
+    stride, padding = conv.geometry["stride"], conv.geometry["padding"]
+    out, _, mean, variance = (ops or _ops).onednn_conv_bn_relu(
+        x, conv.weight, conv.bias, norm.weight, norm.bias, stride, padding, norm._epsilon, not x.stop_gradient
+    )
+    with paddle.no_grad():
+        m = norm._momentum
+        paddle.assign(norm._mean * m + mean * (1 - m), norm._mean)
+        paddle.assign(norm._variance * m + variance * (1 - m), norm._variance)
+    return out
+
+
+@paddle.jit.not_to_static
+def max_pool_blocked(x: paddle.Tensor, kernel: int, stride: int, ops=None) -> paddle.Tensor:
+    """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/8, H, W, 8] (no padding, floor mode), by oneDNN."""
+    return (ops or _ops).onednn_max_pool_blocked(x, kernel, stride)[0]
+
+
+def unblock(x: paddle.Tensor) -> paddle.Tensor:
+    """A blocked map [N, C/8, H, W, 8] as NCHW (for tests and checks; the network itself never needs it)."""
+    n, cb, h, w, b = x.shape
+    return x.transpose([0, 1, 4, 2, 3]).reshape([n, cb * b, h, w])
 
 
 OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so")  # oneDNN's (GNU) and MKL's (Intel) in Paddle's CPU wheels

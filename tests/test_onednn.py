@@ -80,11 +80,14 @@ def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
 
 
+OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2", "onednn_conv_bn_relu", "onednn_max_pool_blocked")
+
+
 class Counted:
     """The operators' module, counting the calls of each operator."""
 
     def __init__(self, ops):
-        self.ops, self.calls = ops, {"onednn_conv2d": 0, "onednn_conv2d_bias": 0, "max_pool2x2": 0}
+        self.ops, self.calls = ops, dict.fromkeys(OPS, 0)
 
     def __getattr__(self, name):
         def call(*args):
@@ -94,21 +97,22 @@ class Counted:
         return call
 
 
-# the model, its input, how many of its convolutions have a bias (oneDNN adds it) and how many have none, and how
-# many of its pools are 2x2 of stride 2 (the max_pool2x2 operator runs them)
+# the model, its input, and how many times a training step calls each operator: convolutions with a bias (oneDNN
+# adds it) and without, 2x2 pools of stride 2 (max_pool2x2), and minigooglenet's conv modules and 3x3 pools in the
+# blocked layout (csrc/blocked.cc)
 MODELS = [
-    ("mnist_cnn", (1, 28, 28), 0, 2, 2),  # its bias is added after the pool (models.conv_relu_pool)
-    ("mnist_cnn_bn_fc", (1, 28, 28), 0, 2, 2),
-    ("minigooglenet", (3, 32, 32), 19, 0, 0),  # its pools are 3x3 of stride 2: Paddle's kernel
-    ("cifar_cnn", (3, 32, 32), 4, 0, 2),
+    ("mnist_cnn", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),  # its bias after the pool (conv_relu_pool)
+    ("mnist_cnn_bn_fc", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),
+    ("minigooglenet", (3, 32, 32), {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2}),
+    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "max_pool2x2": 2}),
 ]
 
 
-@pytest.mark.parametrize(("name", "shape", "biased", "plain", "pools"), MODELS, ids=[m[0] for m in MODELS])
-def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape, biased, plain, pools):
+@pytest.mark.parametrize(("name", "shape", "calls"), MODELS, ids=[m[0] for m in MODELS])
+def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, name, shape, calls):
     """One training step from the same weights, by the custom operators and by Paddle's: the same outputs,
-    gradients and batch norm running statistics, every convolution run by oneDNN, with its bias where it has one,
-    and every 2x2 pool by max_pool2x2."""
+    gradients and batch norm running statistics, every convolution run by oneDNN (with its bias where it has one,
+    and with its batch norm and ReLU in minigooglenet), and every pool by an operator."""
     paddle.seed(5)
     net = models.build_model(name, 10, shape)
     start = {k: v.clone() for k, v in net.state_dict().items()}
@@ -126,7 +130,7 @@ def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, 
         buffers = {k: v.numpy() for k, v in net.state_dict().items() if k.endswith(("_mean", "_variance"))}
         results.append((logits.numpy(), grads, buffers))
     onednn._ops = op
-    assert counted.calls == {"onednn_conv2d_bias": biased, "onednn_conv2d": plain, "max_pool2x2": pools}
+    assert counted.calls == dict.fromkeys(OPS, 0) | calls
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     assert results[0][1].keys() == results[1][1].keys()
     for key, grad in results[0][1].items():
@@ -135,6 +139,84 @@ def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, 
     for key, value in results[0][2].items():
         assert not np.allclose(value, start[key].numpy()), f"{key} did not move"
         np.testing.assert_allclose(value, results[1][2][key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+# minigooglenet's conv modules, as (in channels, side, out channels, kernel, stride, padding, input blocked): the
+# first on a 1- and a 3-channel image, then on blocked maps, with the sides of 28x28 and 32x32 inputs
+MODULES = [
+    (1, 28, 96, 3, 1, 1, False),
+    (3, 32, 96, 3, 1, 1, False),
+    (96, 28, 32, 1, 1, 0, True),
+    (64, 15, 48, 3, 1, 1, True),
+    (80, 28, 80, 3, 2, 0, True),  # downsample: 28 -> 13, oneDNN's right padding -1
+    (80, 32, 80, 3, 2, 0, True),  # 32 -> 15
+    (160, 13, 96, 3, 2, 0, True),  # 13 -> 6
+]
+
+
+def blocked(x: paddle.Tensor) -> paddle.Tensor:
+    """An NCHW map (C a multiple of 8) in the layout blocked by 8 channels, [N, C/8, H, W, 8]."""
+    n, c, h, w = x.shape
+    return x.reshape([n, c // 8, 8, h, w]).transpose([0, 1, 3, 4, 2])
+
+
+@pytest.mark.parametrize("module", MODULES, ids=[f"{m[0]}x{m[1]}-k{m[3]}s{m[4]}" for m in MODULES])
+def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module):
+    """onednn_conv_bn_relu against Conv2D, BatchNorm2D and ReLU in training: the output, the gradients of the
+    input, the weights, the scale and the shift, and the running statistics after the step."""
+    cin, side, cout, kernel, stride, padding, blocked_input = module
+    paddle.seed(cin + side)
+    conv = models.Conv2D(cin, cout, kernel, stride=stride, padding=padding)
+    norm = paddle.nn.BatchNorm2D(cout)
+    norm.weight.set_value(paddle.rand([cout]) + 0.5)
+    norm.bias.set_value(paddle.randn([cout]))
+    x = paddle.randn([8, cin, side, side])
+    params = [conv.weight, norm.weight, norm.bias]
+    results = []
+    for ours in (True, False):
+        norm._mean.set_value(paddle.zeros([cout]))
+        norm._variance.set_value(paddle.ones([cout]))
+        if ours:
+            run = lambda x, *_: onednn.unblock(onednn.conv_bn_relu(blocked(x) if blocked_input else x, conv, norm))  # noqa: E731
+        else:
+            run = lambda x, *_: F.relu(norm(F.conv2d(x, conv.weight, conv.bias, stride, padding)))  # noqa: E731
+        results.append(output_and_grads(run, x, *params) + [norm._mean.numpy(), norm._variance.numpy()])
+    names = ("output", "input gradient", "weight gradient", "scale gradient", "shift gradient", "mean", "variance")
+    for name, a, b in zip(names, *results):
+        assert a.shape == b.shape, name
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("side", [28, 32, 13, 15])
+def test_the_blocked_max_pool_gives_paddles_numbers(op, side):
+    """onednn_max_pool_blocked against F.max_pool2d, 3x3 of stride 2 (the downsample modules'), output and input
+    gradient (overlapping windows add up in another order: equal to rounding)."""
+    x = paddle.randn([4, 16, side, side])
+    ours = output_and_grads(lambda x: onednn.unblock(onednn.max_pool_blocked(blocked(x), 3, 2)), x)
+    paddles = output_and_grads(lambda x: F.max_pool2d(x, 3, 2), x)
+    np.testing.assert_array_equal(ours[0], paddles[0])
+    np.testing.assert_allclose(ours[1], paddles[1], rtol=1e-6, atol=1e-6)
+
+
+class UnbiasedVariance:
+    """The operators, with a conv module that hands back the batch's unbiased variance (a likely slip): its
+    outputs and gradients are right, its running variance is not."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self.ops, name)
+
+    def onednn_conv_bn_relu(self, x, *args):
+        out, conv, mean, variance = self.ops.onednn_conv_bn_relu(x, *args)
+        n = conv.shape[0] * conv.shape[2] * conv.shape[3]
+        return out, conv, mean, variance * n / (n - 1)
+
+
+def test_the_build_check_refuses_a_conv_module_with_another_running_variance(op):
+    with pytest.raises(onednn.Unavailable, match="conv module's running variance differs"):
+        onednn.check_blocked(UnbiasedVariance(op))
 
 
 # (batch, channels, height, width): the models' pools (28 -> 14 -> 7, cifar_cnn's 30 -> 15 and 13 -> 6), and

@@ -16,66 +16,17 @@
 #include <unordered_map>
 #include <vector>
 
-// The headers package was configured with oneDNN's experimental sparse memory, whose query function the
-// libdnnl.so.3 of Paddle's wheels does not export; this operator uses dense memory only.
-#include "oneapi/dnnl/dnnl_config.h"
-#undef DNNL_EXPERIMENTAL_SPARSE
-#include "oneapi/dnnl/dnnl.hpp"
+#include "onednn_common.h"
 #include "paddle/extension.h"
 
 namespace {
 
-using dnnl::memory;
-using Dims = memory::dims;
-
-dnnl::engine& cpu_engine() {
-  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  return engine;
-}
-
-dnnl::stream& cpu_stream() {
-  static dnnl::stream stream(cpu_engine());
-  return stream;
-}
-
-memory::desc nchw(const Dims& dims) { return memory::desc(dims, memory::data_type::f32, memory::format_tag::nchw); }
-memory::desc any(const Dims& dims) { return memory::desc(dims, memory::data_type::f32, memory::format_tag::any); }
-
-// One operand of one primitive: Paddle's NCHW buffer, and the layout the primitive chose for it. Where the two
-// differ, a scratch buffer in the chosen layout and the reorders between the two.
-class Operand {
- public:
-  Operand(const Dims& dims, const memory::desc& chosen) : user_(nchw(dims)) {
-    if (chosen == user_) return;
-    scratch_ = memory(chosen, cpu_engine());
-    to_chosen_ = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), user_, cpu_engine(), chosen));
-    to_user_ = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), chosen, cpu_engine(), user_));
-    reordered_ = true;
-  }
-
-  // The memory the primitive reads: Paddle's buffer itself, or its copy in the chosen layout.
-  memory input(const float* data) {
-    memory user(user_, cpu_engine(), const_cast<float*>(data));
-    if (!reordered_) return user;
-    to_chosen_.execute(cpu_stream(), user, scratch_);
-    return scratch_;
-  }
-
-  // The memory the primitive writes; finish() then copies it into Paddle's buffer where it is a scratch buffer.
-  memory output(float* data) { return reordered_ ? scratch_ : memory(user_, cpu_engine(), data); }
-
-  void finish(float* data) {
-    if (!reordered_) return;
-    memory user(user_, cpu_engine(), data);
-    to_user_.execute(cpu_stream(), scratch_, user);
-  }
-
- private:
-  memory::desc user_;
-  memory scratch_;
-  dnnl::reorder to_chosen_, to_user_;
-  bool reordered_ = false;
-};
+using paddle_mnist::any;
+using paddle_mnist::cpu_engine;
+using paddle_mnist::cpu_stream;
+using paddle_mnist::Dims;
+using paddle_mnist::memory;
+using paddle_mnist::Operand;
 
 struct Geometry {
   Dims src, weights, dst, strides, pad_left, pad_right;
@@ -125,8 +76,7 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive(
     const Geometry& g, const dnnl::convolution_forward::primitive_desc& hint) {
   try {
     auto pd = weights_primitive_with(g, hint.src_desc(), hint);
-    const std::string kernel = pd.impl_info_str();
-    if (kernel.find("ref") == std::string::npos && kernel.find("gemm") == std::string::npos) return pd;
+    if (paddle_mnist::direct(pd)) return pd;
   } catch (const dnnl::error&) {
   }
   return weights_primitive_with(g, any(g.src), hint);

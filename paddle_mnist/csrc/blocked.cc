@@ -1,0 +1,424 @@
+// MiniGoogLeNet's training step in oneDNN's channel-blocked layout: Paddle custom operators with their gradient
+// operators, built with the convolutions of onednn_conv.cc (paddle_mnist/onednn.py).
+//
+// oneDNN's convolution kernels run on maps blocked by 8 channels (aBcd8b: N, C/8, H, W, 8), and Paddle's tensors
+// are NCHW, so each call of onednn_conv2d reorders its input, output and their gradients to and fro: 16% of
+// MiniGoogLeNet's step at 2 threads. Its batch norms and ReLUs, about as much again, run in Paddle on one thread.
+// Here the maps stay blocked from the first convolution to the global average pool, as 5-D Paddle tensors
+// [N, C/8, H, W, 8] whose plain layout is that blocked one (every width in MiniGoogLeNet is a multiple of 8):
+//
+//   onednn_conv_bn_relu   conv module: convolution (with its bias), batch norm on the batch's statistics, ReLU,
+//                         all by oneDNN on every thread; the input NCHW (the first module) or blocked, the output
+//                         blocked, with the batch's mean and biased variance for the running averages
+//   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2)
+//
+// Paddle's concat on axis 1 joins blocked maps as it joins NCHW ones (each part holds whole blocks), and the
+// global average pool is a mean over H and W. The primitives and scratch buffers are made once per shape.
+
+#include <map>
+#include <memory>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "onednn_common.h"
+#include "paddle/extension.h"
+
+namespace {
+
+using paddle_mnist::any;
+using paddle_mnist::cpu_engine;
+using paddle_mnist::cpu_stream;
+using paddle_mnist::Dims;
+using paddle_mnist::memory;
+using paddle_mnist::Operand;
+
+constexpr int64_t kBlock = 8;
+
+memory::desc blocked(const Dims& dims) {
+  return memory::desc(dims, memory::data_type::f32, memory::format_tag::aBcd8b);
+}
+memory::desc per_channel(int64_t c) { return memory::desc({c}, memory::data_type::f32, memory::format_tag::a); }
+
+// The NCHW dims of a tensor: itself where it has 4 dimensions, [N, C/8 * 8, H, W] for a blocked one.
+Dims logical(const std::vector<int64_t>& shape) {
+  if (shape.size() == 5) return {shape[0], shape[1] * shape[4], shape[2], shape[3]};
+  return {shape[0], shape[1], shape[2], shape[3]};
+}
+
+std::vector<int64_t> blocked_shape(const Dims& d) { return {d[0], d[1] / kBlock, d[2], d[3], kBlock}; }
+
+void check_float(const paddle::Tensor& t, const char* op, const char* name) {
+  PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::FLOAT32, op, ": ", name, " must be float32 on the CPU");
+}
+
+void check_map(const paddle::Tensor& t, const char* op, const char* name) {
+  check_float(t, op, name);
+  const auto& s = t.shape();
+  PD_CHECK(s.size() == 4 || (s.size() == 5 && s[4] == kBlock), op, ": ", name, " must be NCHW or blocked by ",
+           kBlock, " channels (N, C/8, H, W, 8)");
+}
+
+paddle::Tensor empty(const std::vector<int64_t>& shape, paddle::DataType type = paddle::DataType::FLOAT32) {
+  return paddle::empty(shape, type, paddle::CPUPlace());
+}
+
+memory wrap(const memory::desc& d, const paddle::Tensor& t) {
+  return memory(d, cpu_engine(), const_cast<void*>(static_cast<const void*>(t.data<float>())));
+}
+
+// ---- convolution, batch norm, ReLU ----
+
+struct ModuleShape {
+  Dims src, weights, dst, strides, pad_left, pad_right;
+  bool blocked_src;
+  float epsilon;
+  bool operator<(const ModuleShape& o) const {
+    return std::tie(src, weights, dst, strides, pad_left, pad_right, blocked_src, epsilon) <
+           std::tie(o.src, o.weights, o.dst, o.strides, o.pad_left, o.pad_right, o.blocked_src, o.epsilon);
+  }
+  int64_t channels() const { return weights[0]; }
+};
+
+ModuleShape module_shape(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
+                         float epsilon) {
+  const Dims src = logical(x);
+  const int64_t out_h = (src[2] + 2 * padding - w[2]) / stride + 1;
+  const int64_t out_w = (src[3] + 2 * padding - w[3]) / stride + 1;
+  // right and bottom padding that make the output size F.conv2d's (less than `padding` where the stride leaves
+  // input rows over)
+  const int64_t right_h = (out_h - 1) * stride + w[2] - src[2] - padding;
+  const int64_t right_w = (out_w - 1) * stride + w[3] - src[3] - padding;
+  return {src,
+          {w[0], w[1], w[2], w[3]},
+          {src[0], w[0], out_h, out_w},
+          {stride, stride},
+          {padding, padding},
+          {right_h, right_w},
+          x.size() == 5,
+          epsilon};
+}
+
+struct ModuleBackward;
+
+struct Module {
+  explicit Module(const ModuleShape& s)
+      : shape(s),
+        src_user(s.blocked_src ? blocked(s.src) : paddle_mnist::nchw(s.src)),
+        conv_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
+                s.blocked_src ? src_user : any(s.src), any(s.weights), per_channel(s.channels()), blocked(s.dst),
+                s.strides, s.pad_left, s.pad_right),
+        conv(conv_pd),
+        conv_src(src_user, conv_pd.src_desc()),
+        conv_weights(s.weights, conv_pd.weights_desc()),
+        bn_pd(cpu_engine(), dnnl::prop_kind::forward_training, blocked(s.dst), blocked(s.dst), s.epsilon,
+              dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift),
+        bn(bn_pd),
+        relu_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, blocked(s.dst),
+                blocked(s.dst), 0.f),
+        relu(relu_pd) {}
+
+  ModuleBackward& backward();
+
+  ModuleShape shape;
+  memory::desc src_user;
+  dnnl::convolution_forward::primitive_desc conv_pd;
+  dnnl::convolution_forward conv;
+  Operand conv_src, conv_weights;
+  dnnl::batch_normalization_forward::primitive_desc bn_pd;
+  dnnl::batch_normalization_forward bn;
+  dnnl::eltwise_forward::primitive_desc relu_pd;
+  dnnl::eltwise_forward relu;
+  std::unique_ptr<ModuleBackward> bwd;
+};
+
+dnnl::convolution_backward_weights::primitive_desc weights_primitive_with(const Module& m, const memory::desc& src) {
+  const ModuleShape& s = m.shape;
+  return dnnl::convolution_backward_weights::primitive_desc(
+      cpu_engine(), dnnl::algorithm::convolution_direct, src, any(s.weights), per_channel(s.channels()),
+      blocked(s.dst), s.strides, s.pad_left, s.pad_right, m.conv_pd);
+}
+
+// The weights' backward primitive, reading the input in the layout the forward pass read it in where a direct
+// kernel does (the blocked maps; the first module's NCHW image on oneDNN 3.6), else in the one oneDNN chooses:
+// for a 1-channel image in NCHW, oneDNN 3.2 has only its reference loops, 100 times slower.
+dnnl::convolution_backward_weights::primitive_desc weights_primitive(const Module& m) {
+  try {
+    auto pd = weights_primitive_with(m, m.conv_pd.src_desc());
+    if (paddle_mnist::direct(pd)) return pd;
+  } catch (const dnnl::error&) {
+  }
+  return weights_primitive_with(m, any(m.shape.src));
+}
+
+// The backward primitives of one module shape, made at its first backward pass: ReLU's from its output, batch
+// norm's, then the convolution's weights (and bias) and, where the input takes a gradient, its data.
+struct ModuleBackward {
+  explicit ModuleBackward(Module& m)
+      : relu_pd(cpu_engine(), dnnl::algorithm::eltwise_relu_use_dst_for_bwd, blocked(m.shape.dst),
+                blocked(m.shape.dst), blocked(m.shape.dst), 0.f, m.relu_pd),
+        relu(relu_pd),
+        bn_pd(cpu_engine(), dnnl::prop_kind::backward, blocked(m.shape.dst), blocked(m.shape.dst),
+              blocked(m.shape.dst), m.shape.epsilon,
+              dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift, m.bn_pd),
+        bn(bn_pd),
+        weights_pd(weights_primitive(m)),
+        weights(weights_pd),
+        weights_src(m.src_user, weights_pd.src_desc()),
+        weights_diff(m.shape.weights, weights_pd.diff_weights_desc()),
+        diff_norm(blocked(m.shape.dst), cpu_engine()),
+        diff_conv(blocked(m.shape.dst), cpu_engine()),
+        data_pd(cpu_engine(), dnnl::algorithm::convolution_direct,
+                m.shape.blocked_src ? m.src_user : any(m.shape.src), any(m.shape.weights), blocked(m.shape.dst),
+                m.shape.strides, m.shape.pad_left, m.shape.pad_right, m.conv_pd),
+        data(data_pd),
+        data_weights(m.shape.weights, data_pd.weights_desc()),
+        data_src(m.src_user, data_pd.diff_src_desc()) {}
+
+  dnnl::eltwise_backward::primitive_desc relu_pd;
+  dnnl::eltwise_backward relu;
+  dnnl::batch_normalization_backward::primitive_desc bn_pd;
+  dnnl::batch_normalization_backward bn;
+  dnnl::convolution_backward_weights::primitive_desc weights_pd;
+  dnnl::convolution_backward_weights weights;
+  Operand weights_src, weights_diff;
+  memory diff_norm, diff_conv;  // the gradients of batch norm's output and of the convolution's
+  dnnl::convolution_backward_data::primitive_desc data_pd;
+  dnnl::convolution_backward_data data;
+  Operand data_weights, data_src;
+};
+
+ModuleBackward& Module::backward() {
+  if (!bwd) bwd = std::make_unique<ModuleBackward>(*this);
+  return *bwd;
+}
+
+Module& module_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding, float epsilon) {
+  static std::map<ModuleShape, std::unique_ptr<Module>> modules;
+  const ModuleShape s = module_shape(x.shape(), w.shape(), stride, padding, epsilon);
+  auto found = modules.find(s);
+  if (found == modules.end()) found = modules.emplace(s, std::make_unique<Module>(s)).first;
+  return *found->second;
+}
+
+constexpr const char* kModule = "onednn_conv_bn_relu";
+
+void check_module(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
+                  const paddle::Tensor& gamma, const paddle::Tensor& beta) {
+  check_map(x, kModule, "x");
+  check_float(w, kModule, "the weight");
+  const int64_t c = w.shape()[0];
+  PD_CHECK(w.shape().size() == 4 && logical(x.shape())[1] == w.shape()[1], kModule,
+           ": the weight must be OIHW with I the input's channels");
+  PD_CHECK(c % kBlock == 0, kModule, ": the output channels (", c, ") must be a multiple of ", kBlock);
+  for (const paddle::Tensor* t : {&b, &gamma, &beta}) {
+    check_float(*t, kModule, "the bias and batch norm's scale and shift");
+    PD_CHECK(t->shape().size() == 1 && t->shape()[0] == c, kModule, ": the bias and batch norm's scale and shift ",
+             "must have one value per output channel");
+  }
+}
+
+std::vector<paddle::Tensor> ModuleForward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
+                                          const paddle::Tensor& gamma, const paddle::Tensor& beta, int stride,
+                                          int padding, float epsilon, bool input_grad) {
+  check_module(x, w, b, gamma, beta);
+  Module& m = module_for(x, w, stride, padding, epsilon);
+  const int64_t c = m.shape.channels();
+  auto conv_out = empty(blocked_shape(m.shape.dst));
+  auto out = empty(blocked_shape(m.shape.dst));
+  auto mean = empty({c});
+  auto variance = empty({c});
+  const memory::desc dst = blocked(m.shape.dst);
+  m.conv.execute(cpu_stream(), {{DNNL_ARG_SRC, m.conv_src.input(x.data<float>())},
+                                {DNNL_ARG_WEIGHTS, m.conv_weights.input(w.data<float>())},
+                                {DNNL_ARG_BIAS, wrap(per_channel(c), b)},
+                                {DNNL_ARG_DST, wrap(dst, conv_out)}});
+  m.bn.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(dst, conv_out)},
+                              {DNNL_ARG_DST, wrap(dst, out)},
+                              {DNNL_ARG_SCALE, wrap(per_channel(c), gamma)},
+                              {DNNL_ARG_SHIFT, wrap(per_channel(c), beta)},
+                              {DNNL_ARG_MEAN, wrap(per_channel(c), mean)},
+                              {DNNL_ARG_VARIANCE, wrap(per_channel(c), variance)}});
+  m.relu.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(dst, out)}, {DNNL_ARG_DST, wrap(dst, out)}});
+  cpu_stream().wait();
+  return {out, conv_out, mean, variance};
+}
+
+std::vector<paddle::Tensor> ModuleBackwardFn(const paddle::Tensor& x, const paddle::Tensor& w,
+                                             const paddle::Tensor& b, const paddle::Tensor& gamma,
+                                             const paddle::Tensor& beta, const paddle::Tensor& conv_out,
+                                             const paddle::Tensor& out, const paddle::Tensor& mean,
+                                             const paddle::Tensor& variance, const paddle::Tensor& grad_out,
+                                             int stride, int padding, float epsilon, bool input_grad) {
+  check_float(grad_out, kModule, "the output's gradient");
+  Module& m = module_for(x, w, stride, padding, epsilon);
+  ModuleBackward& p = m.backward();
+  const int64_t c = m.shape.channels();
+  const memory::desc dst = blocked(m.shape.dst);
+  auto grad_w = empty(w.shape());
+  auto grad_b = empty({c}), grad_gamma = empty({c}), grad_beta = empty({c});
+  p.relu.execute(cpu_stream(),
+                 {{DNNL_ARG_DST, wrap(dst, out)}, {DNNL_ARG_DIFF_DST, wrap(dst, grad_out)}, {DNNL_ARG_DIFF_SRC, p.diff_norm}});
+  p.bn.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(dst, conv_out)},
+                              {DNNL_ARG_MEAN, wrap(per_channel(c), mean)},
+                              {DNNL_ARG_VARIANCE, wrap(per_channel(c), variance)},
+                              {DNNL_ARG_DIFF_DST, p.diff_norm},
+                              {DNNL_ARG_SCALE, wrap(per_channel(c), gamma)},
+                              {DNNL_ARG_DIFF_SRC, p.diff_conv},
+                              {DNNL_ARG_DIFF_SCALE, wrap(per_channel(c), grad_gamma)},
+                              {DNNL_ARG_DIFF_SHIFT, wrap(per_channel(c), grad_beta)}});
+  float* grad_w_data = grad_w.data<float>();
+  p.weights.execute(cpu_stream(), {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
+                                   {DNNL_ARG_DIFF_DST, p.diff_conv},
+                                   {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff.output(grad_w_data)},
+                                   {DNNL_ARG_DIFF_BIAS, wrap(per_channel(c), grad_b)}});
+  p.weights_diff.finish(grad_w_data);
+  paddle::Tensor grad_x;
+  if (input_grad) {
+    grad_x = empty(x.shape());
+    float* grad_x_data = grad_x.data<float>();
+    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, p.diff_conv},
+                                  {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
+                                  {DNNL_ARG_DIFF_SRC, p.data_src.output(grad_x_data)}});
+    p.data_src.finish(grad_x_data);
+  } else {  // the network's input, which takes no gradient: nothing reads this
+    grad_x = paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  }
+  cpu_stream().wait();
+  return {grad_x, grad_w, grad_b, grad_gamma, grad_beta};
+}
+
+// ---- max-pool of a blocked map ----
+
+struct PoolShape {
+  Dims src, dst;
+  int64_t kernel, stride;
+  bool operator<(const PoolShape& o) const {
+    return std::tie(src, dst, kernel, stride) < std::tie(o.src, o.dst, o.kernel, o.stride);
+  }
+};
+
+PoolShape pool_shape(const std::vector<int64_t>& x, int kernel, int stride) {
+  const Dims src = logical(x);
+  return {src, {src[0], src[1], (src[2] - kernel) / stride + 1, (src[3] - kernel) / stride + 1}, kernel, stride};
+}
+
+struct Pool {
+  explicit Pool(const PoolShape& s)
+      : shape(s),
+        fwd_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, blocked(s.src),
+               blocked(s.dst), {s.stride, s.stride}, {s.kernel, s.kernel}, {0, 0}, {0, 0}, {0, 0}),
+        fwd(fwd_pd) {
+    // the workspace (where each window's maximum was) is one byte per output, held in a uint8 tensor of the
+    // output's shape
+    PD_CHECK(fwd_pd.workspace_desc().get_size() == static_cast<size_t>(s.dst[0] * s.dst[1] * s.dst[2] * s.dst[3]),
+             "onednn_max_pool_blocked: oneDNN's workspace is not one byte per output");
+  }
+
+  dnnl::pooling_backward& backward() {
+    if (!bwd) {
+      bwd_pd = dnnl::pooling_backward::primitive_desc(cpu_engine(), dnnl::algorithm::pooling_max, blocked(shape.src),
+                                                      blocked(shape.dst), {shape.stride, shape.stride},
+                                                      {shape.kernel, shape.kernel}, {0, 0}, {0, 0}, {0, 0}, fwd_pd);
+      bwd = std::make_unique<dnnl::pooling_backward>(bwd_pd);
+    }
+    return *bwd;
+  }
+
+  PoolShape shape;
+  dnnl::pooling_forward::primitive_desc fwd_pd;
+  dnnl::pooling_forward fwd;
+  dnnl::pooling_backward::primitive_desc bwd_pd;
+  std::unique_ptr<dnnl::pooling_backward> bwd;
+};
+
+Pool& pool_for(const paddle::Tensor& x, int kernel, int stride) {
+  static std::map<PoolShape, std::unique_ptr<Pool>> pools;
+  const PoolShape s = pool_shape(x.shape(), kernel, stride);
+  auto found = pools.find(s);
+  if (found == pools.end()) found = pools.emplace(s, std::make_unique<Pool>(s)).first;
+  return *found->second;
+}
+
+memory workspace(const Pool& p, const paddle::Tensor& t) {
+  return memory(p.fwd_pd.workspace_desc(), cpu_engine(), const_cast<uint8_t*>(t.data<uint8_t>()));
+}
+
+std::vector<paddle::Tensor> PoolForward(const paddle::Tensor& x, int kernel, int stride) {
+  check_map(x, "onednn_max_pool_blocked", "x");
+  PD_CHECK(x.shape().size() == 5, "onednn_max_pool_blocked: x must be blocked (N, C/8, H, W, 8)");
+  Pool& p = pool_for(x, kernel, stride);
+  auto out = empty(blocked_shape(p.shape.dst));
+  auto ws = empty(blocked_shape(p.shape.dst), paddle::DataType::UINT8);
+  p.fwd.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(blocked(p.shape.src), x)},
+                               {DNNL_ARG_DST, wrap(blocked(p.shape.dst), out)},
+                               {DNNL_ARG_WORKSPACE, workspace(p, ws)}});
+  cpu_stream().wait();
+  return {out, ws};
+}
+
+std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::Tensor& ws,
+                                         const paddle::Tensor& grad_out, int kernel, int stride) {
+  check_float(grad_out, "onednn_max_pool_blocked", "the output's gradient");
+  Pool& p = pool_for(x, kernel, stride);
+  auto grad_x = empty(x.shape());
+  p.backward().execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, wrap(blocked(p.shape.dst), grad_out)},
+                                      {DNNL_ARG_DIFF_SRC, wrap(blocked(p.shape.src), grad_x)},
+                                      {DNNL_ARG_WORKSPACE, workspace(p, ws)}});
+  cpu_stream().wait();
+  return {grad_x};
+}
+
+// ---- shapes and types, for Paddle ----
+
+std::vector<std::vector<int64_t>> ModuleInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                   const std::vector<int64_t>& b, const std::vector<int64_t>& gamma,
+                                                   const std::vector<int64_t>& beta, int stride, int padding,
+                                                   float epsilon, bool input_grad) {
+  const ModuleShape s = module_shape(x, w, stride, padding, epsilon);
+  const auto out = blocked_shape(s.dst);
+  return {out, out, {s.channels()}, {s.channels()}};
+}
+
+std::vector<paddle::DataType> ModuleInferDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                               const paddle::DataType& b, const paddle::DataType& gamma,
+                                               const paddle::DataType& beta) {
+  return {x, x, x, x};
+}
+
+std::vector<std::vector<int64_t>> PoolInferShape(const std::vector<int64_t>& x, int kernel, int stride) {
+  const auto out = blocked_shape(pool_shape(x, kernel, stride).dst);
+  return {out, out};
+}
+
+std::vector<paddle::DataType> PoolInferDtype(const paddle::DataType& x) { return {x, paddle::DataType::UINT8}; }
+
+}  // namespace
+
+PD_BUILD_OP(onednn_conv_bn_relu)
+    .Inputs({"X", "W", "B", "Gamma", "Beta"})
+    .Outputs({"Out", "Conv", "Mean", "Variance"})
+    .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ModuleForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(ModuleInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ModuleInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_conv_bn_relu)
+    .Inputs({"X", "W", "B", "Gamma", "Beta", "Conv", "Out", "Mean", "Variance", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B"), paddle::Grad("Gamma"), paddle::Grad("Beta")})
+    .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ModuleBackwardFn));
+
+PD_BUILD_OP(onednn_max_pool_blocked)
+    .Inputs({"X"})
+    .Outputs({"Out", "Workspace"})
+    .Attrs({"kernel: int", "stride: int"})
+    .SetKernelFn(PD_KERNEL(PoolForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(PoolInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PoolInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_max_pool_blocked)
+    .Inputs({"X", "Workspace", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X")})
+    .Attrs({"kernel: int", "stride: int"})
+    .SetKernelFn(PD_KERNEL(PoolBackward));
