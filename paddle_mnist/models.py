@@ -213,8 +213,7 @@ class Inception(nn.Layer):
         return paddle.concat([self.b1(x), self.b3(x)], axis=1)
 
     def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
-        # axis 1 of a blocked map counts blocks of 8 channels, and each part holds whole blocks
-        return paddle.concat([self.b1.blocked(x), self.b3.blocked(x)], axis=1)
+        return onednn.concat_blocked(self.b1.blocked(x), self.b3.blocked(x))
 
 
 class Downsample(nn.Layer):
@@ -230,7 +229,7 @@ class Downsample(nn.Layer):
         return paddle.concat([self.conv(x), self.pool(x)], axis=1)
 
     def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
-        return paddle.concat([self.conv.blocked(x), onednn.max_pool_blocked(x, 3, 2)], axis=1)
+        return onednn.concat_blocked(self.conv.blocked(x), onednn.max_pool_blocked(x, 3, 2))
 
 
 class MiniGoogLeNet(nn.Layer):

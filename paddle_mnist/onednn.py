@@ -4,18 +4,21 @@ Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per ima
 (docs/performance.md). csrc/onednn_conv.cc holds Paddle custom operators, with their gradient operators, that run
 the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which adds the bias inside the convolution.
 csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
-bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). Both files build into one library,
-linked against the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the
-`onednn-devel-cpu-gomp` package (requirements.txt).
+bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). csrc/blocked.cc runs MiniGoogLeNet's
+conv modules (convolution, batch norm, ReLU) and 3x3 max-pools on maps in oneDNN's layout blocked by 8 channels
+(conv_bn_relu, max_pool_blocked). The files build into one library, linked against the libdnnl.so.3 that
+Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-cpu-gomp` package
+(requirements.txt).
 
     prepare(backend)   before the process group: build (or find) the operator; several workers on one machine
                        build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".
-    activate(...)      after it: load the build, check it against F.conv2d and F.max_pool2d, and route Conv2D
-                       and MaxPool2D through it
+    activate(...)      after it: load the build, check it against Paddle's layers (check), and route Conv2D,
+                       MaxPool2D and MiniGoogLeNet's training step through it
     runs(x)            whether the operator runs a convolution of x: active, float32, CPU, dygraph
     conv2d(...)        what models.Conv2D calls: the operator where it runs, else F.conv2d (so paddle.jit.save,
                        and with it Paddle Inference and ONNX, always get Paddle's)
     pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x
+    blocks(x)          whether MiniGoogLeNet trains on x in the blocked layout (conv_bn_relu, max_pool_blocked)
 
 --conv-backend auto (the default) uses the operator where it builds and passes the check, and Paddle's
 convolution with one logged line saying why where it does not; onednn requires it (a run that cannot have it
@@ -48,7 +51,7 @@ BACKENDS = ("auto", "onednn", "paddle")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = tuple(CSRC / name for name in ("onednn_conv.cc", "blocked.cc", "max_pool.cc"))
 INCLUDES = (CSRC / "onednn_common.h",)  # what the sources include from beside them
-NAME = "onednn_conv"  # the library's name; its operators: onednn_conv2d, onednn_conv2d_bias and max_pool2x2
+NAME = "onednn_conv"  # the library's name; its operators: onednn_conv2d(_bias), max_pool2x2 and the blocked ones
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
 HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
 BUILD_TIMEOUT_S = 900
@@ -89,7 +92,7 @@ class Prepared:
     reason: str = ""  # why Paddle's convolution is used
 
 
-_ops = None  # the loaded operators' Python module (onednn_conv2d, onednn_conv2d_bias, max_pool2x2), once active
+_ops = None  # the loaded operators' Python module, once active
 
 
 def cache_root(environ: dict | os._Environ = os.environ) -> Path:
@@ -246,8 +249,8 @@ def load(library: Path):
 
 def check(ops) -> None:
     """Both convolutions against F.conv2d on two small geometries (padded, strided and not), outputs and every
-    gradient, and the max-pool against F.max_pool2d (check_max_pool). Unavailable where they differ: such a build
-    is not used."""
+    gradient, the max-pool against F.max_pool2d (check_max_pool) and the blocked operators (check_blocked).
+    Unavailable where they differ: such a build is not used."""
     rng = paddle.get_rng_state()
     try:
         paddle.seed(0)
@@ -290,7 +293,8 @@ def check_max_pool(ops) -> None:
 def check_blocked(ops) -> None:
     """The blocked operators (csrc/blocked.cc) against Paddle's layers: a conv module on an NCHW image and on a
     blocked map (3x3, stride 2, unpadded: oneDNN's right padding is then negative), outputs, every gradient and the
-    running statistics, and the 3x3 max-pool of stride 2 on a map of odd side."""
+    running statistics; the concatenation of two blocked maps, to the bit; and the 3x3 max-pool of stride 2 on a
+    map of odd side."""
     from paddle import nn
 
     image, blocked_map = paddle.randn([2, 3, 9, 9]), paddle.randn([2, 2, 9, 9, 8])
@@ -312,6 +316,11 @@ def check_blocked(ops) -> None:
             # the convolution's bias gradient is 0 but for rounding (batch norm subtracts the mean): compared to 1
             if a.shape != e.shape or not np.allclose(a, e, rtol=CHECK_RTOL, atol=CHECK_ATOL * max(np.abs(e).max(), 1)):
                 raise Unavailable(f"its conv module's {name} differs from Paddle's layers' (stride {stride})")
+    other = paddle.randn([2, 1, 9, 9, 8])
+    got = _output_and_grads(lambda: unblock(concat_blocked(blocked_map, other, ops)), blocked_map, other)
+    want = _output_and_grads(lambda: paddle.concat([unblock(blocked_map), unblock(other)], axis=1), blocked_map, other)
+    if any(a.shape != e.shape or not np.array_equal(a, e) for a, e in zip(got, want)):
+        raise Unavailable("its blocked concatenation differs from paddle.concat's")
     got = _output_and_grads(lambda: unblock(max_pool_blocked(blocked_map, 3, 2, ops)), blocked_map)
     want = _output_and_grads(lambda: F.max_pool2d(unblock(blocked_map), 3, 2), blocked_map)
     for name, a, e in zip(("output", "input gradient"), got, want):
@@ -433,6 +442,13 @@ def conv_bn_relu(x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.Batch
 def max_pool_blocked(x: paddle.Tensor, kernel: int, stride: int, ops=None) -> paddle.Tensor:
     """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/8, H, W, 8] (no padding, floor mode), by oneDNN."""
     return (ops or _ops).onednn_max_pool_blocked(x, kernel, stride)[0]
+
+
+@paddle.jit.not_to_static
+def concat_blocked(a: paddle.Tensor, b: paddle.Tensor, ops=None) -> paddle.Tensor:
+    """paddle.concat([a, b], axis=1) of two blocked maps, by oneDNN on every thread (Paddle's copies on one), and
+    its gradient split in place from the output's."""
+    return (ops or _ops).onednn_concat_blocked(a, b)
 
 
 def unblock(x: paddle.Tensor) -> paddle.Tensor:

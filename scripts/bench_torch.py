@@ -174,6 +174,10 @@ def run_trainer(model: str, workers: int, threads: int, work: Path, env: dict) -
     log = (log_dir / "workerlog.0").read_text() if workers > 1 else proc.stdout
     if proc.returncode != 0:
         raise SystemExit(f"the trainer failed ({model}, {workers}x{threads}):\n{log[-2000:]}{proc.stderr[-2000:]}")
+    used = re.search(r"convolutions: .*", log)
+    if not used or not used.group().startswith("convolutions: oneDNN"):  # a fallback would be measured unawares
+        said = used.group() if used else log[-500:]
+        raise SystemExit(f"the trainer did not run oneDNN's operators ({model}): {said}")
     rates = windowed(log, PER_WORKER * workers)
     if len(rates) != steps // window - 1:  # one run's lines, each window once
         raise SystemExit(f"the trainer's log holds {len(rates)} windows, not {steps // window - 1}:\n{log[-2000:]}")

@@ -3,10 +3,10 @@
     python -m scripts.first_steps --datasets mnist fashion-mnist --seeds 1 2 3 4 5 6 7 8
 
 Each (dataset, model, seed) trains the model's default recipe (or the recipe with the flags after `--`) in this
-one process, with the global batch of --workers workers, built by the trainer's own model, optimizer, schedule
-and batch builders, until the mean loss of the last 10 steps is below --limit (chance is ln 10 = 2.30). A start
-that has not got there after --steps optimizer steps stalled. Prints one line per run and a table per model and
-dataset; exits 1 if any start stalled.
+one process, with the global batch of --workers workers, built by the trainer's own model, optimizer, schedule,
+batch builders and convolutions (oneDNN's where it builds, as --conv-backend auto), until the mean loss of the
+last 10 steps is below --limit (chance is ln 10 = 2.30). A start that has not got there after --steps optimizer
+steps stalled. Prints one line per run and a table per model and dataset; exits 1 if any start stalled.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import paddle
 
-from paddle_mnist import config, cpu, data, engine
+from paddle_mnist import config, cpu, data, engine, onednn
 from paddle_mnist.distributed import DistEnv
 from paddle_mnist.models import MODELS
 from paddle_mnist.state import TrainState
@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     cpu.prefer_fast_kernels()
     paddle.base.core.set_num_threads(1)  # one core: a run's figures do not depend on how many the machine has
+    onednn.set_openmp_threads(1)
     sys.stdout.reconfigure(line_buffering=True)
+    # the convolutions (and minigooglenet's blocked layout) the trainer would use: --conv-backend after --
+    print(onednn.activate(onednn.prepare(config.parse_args(flags).conv_backend), "cpu"))
     print(f"at most {args.steps} steps; global batch of {args.workers} workers; flags: {' '.join(flags) or 'none'}")
     starts = []
     for name in args.datasets:

@@ -80,7 +80,8 @@ def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
 
 
-OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2", "onednn_conv_bn_relu", "onednn_max_pool_blocked")
+OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
+OPS += ("onednn_conv_bn_relu", "onednn_max_pool_blocked", "onednn_concat_blocked")
 
 
 class Counted:
@@ -98,12 +99,16 @@ class Counted:
 
 
 # the model, its input, and how many times a training step calls each operator: convolutions with a bias (oneDNN
-# adds it) and without, 2x2 pools of stride 2 (max_pool2x2), and minigooglenet's conv modules and 3x3 pools in the
-# blocked layout (csrc/blocked.cc)
+# adds it) and without, 2x2 pools of stride 2 (max_pool2x2), and minigooglenet's conv modules, 3x3 pools and
+# concatenations in the blocked layout (csrc/blocked.cc)
 MODELS = [
     ("mnist_cnn", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),  # its bias after the pool (conv_relu_pool)
     ("mnist_cnn_bn_fc", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),
-    ("minigooglenet", (3, 32, 32), {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2}),
+    (
+        "minigooglenet",
+        (3, 32, 32),
+        {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2, "onednn_concat_blocked": 10},
+    ),
     ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "max_pool2x2": 2}),
 ]
 
@@ -196,6 +201,15 @@ def test_the_blocked_max_pool_gives_paddles_numbers(op, side):
     paddles = output_and_grads(lambda x: F.max_pool2d(x, 3, 2), x)
     np.testing.assert_array_equal(ours[0], paddles[0])
     np.testing.assert_allclose(ours[1], paddles[1], rtol=1e-6, atol=1e-6)
+
+
+def test_the_blocked_concatenation_gives_paddles_numbers_to_the_bit(op):
+    """onednn_concat_blocked against paddle.concat on channels: a copy both ways, so equal to the bit."""
+    a, b = paddle.randn([4, 96, 13, 13]), paddle.randn([4, 48, 13, 13])
+    ours = output_and_grads(lambda a, b: onednn.unblock(onednn.concat_blocked(blocked(a), blocked(b))), a, b)
+    paddles = output_and_grads(lambda a, b: paddle.concat([a, b], axis=1), a, b)
+    for name, x, y in zip(("output", "first gradient", "second gradient"), ours, paddles):
+        np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 class UnbiasedVariance:
@@ -293,6 +307,26 @@ def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it
     assert version, proc.stdout[:500]
     if tuple(map(int, version.groups())) >= (3, 6):
         assert re.search(r"src[:_]f32::blocked:abcd:", weights[0]), weights[0]
+
+
+def test_minigooglenets_first_module_on_a_1_channel_image_takes_a_direct_weight_kernel(op):
+    """The conv module's backward-weights primitive on a 1-channel NCHW image: where oneDNN has no direct kernel
+    for that layout (3.2, Paddle 2.6), it must not take the reference loops (100 times slower: a second a step on
+    Fashion-MNIST), but the blocked layout. Read from oneDNN's own log of what ran."""
+    code = (
+        "import paddle; from paddle_mnist import onednn as o, models as m; "
+        "print(o.activate(o.prepare('onednn'), 'cpu')); "
+        "conv, norm = m.Conv2D(1, 96, 3, padding=1), paddle.nn.BatchNorm2D(96); "
+        "o.conv_bn_relu(paddle.randn([8, 1, 28, 28]), conv, norm).sum().backward()"
+    )
+    env = launch_env() | {"ONEDNN_VERBOSE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    ran = [line for line in proc.stdout.splitlines() if ",exec," in line and "mb8_ic1oc96" in line]
+    weights = [line for line in ran if "backward_weights" in line]
+    assert len(weights) == 1, ran
+    kernel = weights[0].split(",convolution,")[1].split(",")[0]
+    assert kernel.startswith("jit") and "gemm" not in kernel, weights[0]
 
 
 def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path):

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <tuple>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -369,6 +370,67 @@ std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::
   return {grad_x};
 }
 
+// ---- two blocked maps joined on channels ----
+
+struct Concat {
+  Concat(const Dims& a, const Dims& b)
+      : a(a),
+        b(b),
+        out{a[0], a[1] + b[1], a[2], a[3]},
+        pd(cpu_engine(), blocked(out), 1, {blocked(a), blocked(b)}),
+        join(pd),
+        // the gradient's parts, read in place from the output's gradient: oneDNN's views of its first a[1]
+        // channels and of the rest
+        a_part(blocked(out).submemory_desc(a, {0, 0, 0, 0})),
+        b_part(blocked(out).submemory_desc(b, {0, a[1], 0, 0})),
+        split_a(dnnl::reorder::primitive_desc(cpu_engine(), a_part, cpu_engine(), blocked(a))),
+        split_b(dnnl::reorder::primitive_desc(cpu_engine(), b_part, cpu_engine(), blocked(b))) {}
+
+  Dims a, b, out;
+  dnnl::concat::primitive_desc pd;
+  dnnl::concat join;
+  memory::desc a_part, b_part;
+  dnnl::reorder split_a, split_b;
+};
+
+Concat& concat_for(const paddle::Tensor& a, const paddle::Tensor& b) {
+  static std::map<std::pair<Dims, Dims>, std::unique_ptr<Concat>> concats;
+  const auto key = std::make_pair(logical(a.shape()), logical(b.shape()));
+  auto found = concats.find(key);
+  if (found == concats.end()) found = concats.emplace(key, std::make_unique<Concat>(key.first, key.second)).first;
+  return *found->second;
+}
+
+constexpr const char* kConcat = "onednn_concat_blocked";
+
+std::vector<paddle::Tensor> ConcatForward(const paddle::Tensor& a, const paddle::Tensor& b) {
+  check_map(a, kConcat, "a");
+  check_map(b, kConcat, "b");
+  const auto &sa = a.shape(), &sb = b.shape();
+  PD_CHECK(sa.size() == 5 && sb.size() == 5 && sa[0] == sb[0] && sa[2] == sb[2] && sa[3] == sb[3], kConcat,
+           ": a and b must be blocked maps of the same batch, height and width");
+  Concat& c = concat_for(a, b);
+  auto out = empty(blocked_shape(c.out));
+  c.join.execute(cpu_stream(), {{DNNL_ARG_MULTIPLE_SRC, wrap(blocked(c.a), a)},
+                                {DNNL_ARG_MULTIPLE_SRC + 1, wrap(blocked(c.b), b)},
+                                {DNNL_ARG_DST, wrap(blocked(c.out), out)}});
+  cpu_stream().wait();
+  return {out};
+}
+
+std::vector<paddle::Tensor> ConcatBackward(const paddle::Tensor& a, const paddle::Tensor& b,
+                                           const paddle::Tensor& grad_out) {
+  check_float(grad_out, kConcat, "the output's gradient");
+  Concat& c = concat_for(a, b);
+  auto grad_a = empty(a.shape()), grad_b = empty(b.shape());
+  memory from_a = wrap(c.a_part, grad_out), to_a = wrap(blocked(c.a), grad_a);
+  memory from_b = wrap(c.b_part, grad_out), to_b = wrap(blocked(c.b), grad_b);
+  c.split_a.execute(cpu_stream(), from_a, to_a);
+  c.split_b.execute(cpu_stream(), from_b, to_b);
+  cpu_stream().wait();
+  return {grad_a, grad_b};
+}
+
 // ---- shapes and types, for Paddle ----
 
 std::vector<std::vector<int64_t>> ModuleInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
@@ -392,6 +454,12 @@ std::vector<std::vector<int64_t>> PoolInferShape(const std::vector<int64_t>& x, 
 }
 
 std::vector<paddle::DataType> PoolInferDtype(const paddle::DataType& x) { return {x, paddle::DataType::UINT8}; }
+
+std::vector<std::vector<int64_t>> ConcatInferShape(const std::vector<int64_t>& a, const std::vector<int64_t>& b) {
+  return {{a[0], a[1] + b[1], a[2], a[3], a[4]}};
+}
+
+std::vector<paddle::DataType> ConcatInferDtype(const paddle::DataType& a, const paddle::DataType& b) { return {a}; }
 
 }  // namespace
 
@@ -422,3 +490,15 @@ PD_BUILD_GRAD_OP(onednn_max_pool_blocked)
     .Outputs({paddle::Grad("X")})
     .Attrs({"kernel: int", "stride: int"})
     .SetKernelFn(PD_KERNEL(PoolBackward));
+
+PD_BUILD_OP(onednn_concat_blocked)
+    .Inputs({"A", "B"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(ConcatForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(ConcatInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(ConcatInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_concat_blocked)
+    .Inputs({"A", "B", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("A"), paddle::Grad("B")})
+    .SetKernelFn(PD_KERNEL(ConcatBackward));
