@@ -276,7 +276,8 @@ class MiniGoogLeNet(nn.Layer):
     def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
         """paddle.flatten(self.pool(self.features(x)), 1) in training by oneDNN, the maps blocked by 8 channels
         between the first conv module and the global average pool (every width here is a multiple of 8): no
-        reorder around each convolution, and batch norm, ReLU and the max-pools on every thread."""
+        reorder around each convolution, and batch norm, ReLU, the max-pools and the concatenations on every
+        thread (docs/performance.md)."""
         for layer in self.features:
             x = layer.blocked(x)
         return x.mean([2, 3]).flatten(1)  # [N, C/8, 8] -> [N, C]: channel b * 8 + i, as in NCHW
