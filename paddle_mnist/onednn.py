@@ -5,10 +5,10 @@ Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per ima
 the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which adds the bias inside the convolution.
 csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
 bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). csrc/blocked.cc runs MiniGoogLeNet's
-conv modules (convolution, batch norm, ReLU) and 3x3 max-pools on maps in oneDNN's layout blocked by 8 channels
-(conv_bn_relu, max_pool_blocked). The files build into one library, linked against the libdnnl.so.3 that
-Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-cpu-gomp` package
-(requirements.txt).
+conv modules (convolution, batch norm, ReLU), 3x3 max-pools and concatenations on maps in oneDNN's layout blocked
+by 8 channels (conv_bn_relu, max_pool_blocked, concat_blocked). The files build into one library, linked against
+the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-cpu-gomp`
+package (requirements.txt).
 
     prepare(backend)   before the process group: build (or find) the operator; several workers on one machine
                        build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".
@@ -18,7 +18,7 @@ Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-c
     conv2d(...)        what models.Conv2D calls: the operator where it runs, else F.conv2d (so paddle.jit.save,
                        and with it Paddle Inference and ONNX, always get Paddle's)
     pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x
-    blocks(x)          whether MiniGoogLeNet trains on x in the blocked layout (conv_bn_relu, max_pool_blocked)
+    blocks(x)          whether MiniGoogLeNet trains on x in the blocked layout (conv_bn_relu and the others)
 
 --conv-backend auto (the default) uses the operator where it builds and passes the check, and Paddle's
 convolution with one logged line saying why where it does not; onednn requires it (a run that cannot have it
@@ -414,8 +414,8 @@ def max_pool2x2(x: paddle.Tensor) -> paddle.Tensor:
 
 
 def blocks(x: paddle.Tensor) -> bool:
-    """Whether conv_bn_relu and max_pool_blocked run on x: where the operators run (runs(x)). MiniGoogLeNet then
-    trains in oneDNN's layout blocked by 8 channels (csrc/blocked.cc)."""
+    """Whether conv_bn_relu, max_pool_blocked and concat_blocked run on x: where the operators run (runs(x)).
+    MiniGoogLeNet then trains in oneDNN's layout blocked by 8 channels (csrc/blocked.cc)."""
     return runs(x)
 
 
