@@ -284,6 +284,20 @@ def test_the_build_check_refuses_a_max_pool_with_another_gradient():
         onednn.check_max_pool(SpreadGradientPool())
 
 
+def weights_pass_ran(code: str, shape: str) -> tuple[str, str]:
+    """Run code in a fresh process with oneDNN's log on: the one backward-weights line of the convolution whose
+    shape is described by `shape` (oneDNN's "mb8_ic1oc20"), and the process's output."""
+    env = launch_env() | {"ONEDNN_VERBOSE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    ran = [line for line in proc.stdout.splitlines() if ",exec," in line and shape in line]
+    weights = [line for line in ran if "backward_weights" in line]
+    assert len(weights) == 1, ran
+    kernel = weights[0].split(",convolution,")[1].split(",")[0]
+    assert kernel.startswith("jit") and "gemm" not in kernel, weights[0]
+    return weights[0], proc.stdout
+
+
 def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it(op):
     """The backward-weights primitive of a 1-channel input is a direct kernel, never im2col and a GEMM or the
     reference loops, and with oneDNN 3.6 (Paddle 3.3) its kernel for first layers, which takes the input in NCHW
@@ -295,18 +309,11 @@ def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it
         "x, w = paddle.randn([8, 1, 28, 28]), paddle.randn([20, 1, 5, 5]); w.stop_gradient = False; "
         "o.conv2d(x, w, 1, 2).sum().backward()"
     )
-    env = launch_env() | {"ONEDNN_VERBOSE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    ran = [line for line in proc.stdout.splitlines() if ",exec," in line and "mb8_ic1oc20" in line]
-    weights = [line for line in ran if "backward_weights" in line]
-    assert len(weights) == 1, ran
-    kernel = weights[0].split(",convolution,")[1].split(",")[0]
-    assert kernel.startswith("jit") and "gemm" not in kernel, weights[0]
-    version = re.search(r"oneDNN v(\d+)\.(\d+)", proc.stdout)
-    assert version, proc.stdout[:500]
+    weights, stdout = weights_pass_ran(code, "mb8_ic1oc20")
+    version = re.search(r"oneDNN v(\d+)\.(\d+)", stdout)
+    assert version, stdout[:500]
     if tuple(map(int, version.groups())) >= (3, 6):
-        assert re.search(r"src[:_]f32::blocked:abcd:", weights[0]), weights[0]
+        assert re.search(r"src[:_]f32::blocked:abcd:", weights), weights
 
 
 def test_minigooglenets_first_module_on_a_1_channel_image_takes_a_direct_weight_kernel(op):
@@ -319,14 +326,7 @@ def test_minigooglenets_first_module_on_a_1_channel_image_takes_a_direct_weight_
         "conv, norm = m.Conv2D(1, 96, 3, padding=1), paddle.nn.BatchNorm2D(96); "
         "o.conv_bn_relu(paddle.randn([8, 1, 28, 28]), conv, norm).sum().backward()"
     )
-    env = launch_env() | {"ONEDNN_VERBOSE": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, explain(proc)
-    ran = [line for line in proc.stdout.splitlines() if ",exec," in line and "mb8_ic1oc96" in line]
-    weights = [line for line in ran if "backward_weights" in line]
-    assert len(weights) == 1, ran
-    kernel = weights[0].split(",convolution,")[1].split(",")[0]
-    assert kernel.startswith("jit") and "gemm" not in kernel, weights[0]
+    weights_pass_ran(code, "mb8_ic1oc96")  # a direct kernel, asserted there
 
 
 def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path):

@@ -27,12 +27,7 @@
 
 namespace {
 
-using paddle_mnist::any;
-using paddle_mnist::cpu_engine;
-using paddle_mnist::cpu_stream;
-using paddle_mnist::Dims;
-using paddle_mnist::memory;
-using paddle_mnist::Operand;
+using namespace paddle_mnist;  // NOLINT: the shared helpers of onednn_common.h
 
 constexpr int64_t kBlock = 8;
 
