@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+FOLDER = "folder"  # config.FOLDER, spelt out here because config imports this module
+
 
 @dataclass(frozen=True)
 class Augment:
@@ -22,22 +24,73 @@ POLICIES = {
     "fashion-mnist": Augment(pad=2, flip=True),
     "mnist": Augment(pad=2, flip=False),
     "mnist-json": Augment(pad=2, flip=False),
-    "folder": Augment(pad=2, flip=False),  # a user's classes may not be mirror-symmetric: flips only with --flip
 }
 
 
-def policy_for(dataset: str, shift: int | None = None, flip: bool = False) -> Augment:
-    """The dataset's policy, with the shift replaced by --shift when it is given; flip (--flip) turns flips on."""
-    base = POLICIES[dataset]
-    base = base if shift is None else dataclasses.replace(base, pad=shift)
-    return dataclasses.replace(base, flip=True) if flip else base
+@dataclass(frozen=True)
+class FolderRule:
+    """How a folder is augmented when --shift and --flip/--no-flip leave it to the rule: like the built-in dataset
+    its images resemble by their channels, the shift scaled to the image's side."""
+
+    kind: str  # "colour" or "grey", as the start-up line names the rule
+    like: str  # the built-in dataset whose policy it scales
+    share: int  # shifts of up to 1/share of the shorter side, rounded down, at least 1 px
+    flip: bool
+
+    def shift(self, height: int, width: int) -> int:
+        return max(1, min(height, width) // self.share)
 
 
-def describe(policy: Augment) -> str:
-    parts = ([f"random shifts of up to {policy.pad} px"] if policy.pad else []) + (
-        ["horizontal flips"] if policy.flip else []
-    )
-    return " and ".join(parts) or "nothing to do (no shift, and this dataset is not flipped)"
+# Colour photos are mostly of things whose mirror image is the same class (CIFAR-10's, and what timm and torchvision
+# flip by default); grey folders are more often digits, letters and symbols, which a mirror turns into another
+# shape. The shares are the built-in policies' own: 4 px of CIFAR-10's 32, 2 px of MNIST's 28. --no-flip and --flip
+# correct the guess for classes that are not (text, arrows, left/right) or are (grey clothes, X-rays).
+FOLDER_RULES = {
+    3: FolderRule("colour", "cifar10", share=32 // POLICIES["cifar10"].pad, flip=True),
+    1: FolderRule("grey", "mnist", share=28 // POLICIES["mnist"].pad, flip=False),
+}
+
+
+def policy_for(
+    dataset: str, shape: tuple[int, int, int], shift: int | None = None, flip: bool | None = None
+) -> Augment:
+    """The policy a run's training batches get: a built-in dataset's own (POLICIES), a folder's from its images'
+    (channels, height, width) by FOLDER_RULES; --shift (shift) replaces the shift, and for a folder --flip or
+    --no-flip (flip True or False; None: the rule's) decides the flips."""
+    if dataset == FOLDER:
+        channels, height, width = shape
+        rule = FOLDER_RULES[channels]
+        base = Augment(pad=rule.shift(height, width), flip=rule.flip if flip is None else flip)
+    else:
+        base = POLICIES[dataset]
+    return base if shift is None else dataclasses.replace(base, pad=shift)
+
+
+def describe(dataset: str, shape: tuple[int, int, int], shift: int | None = None, flip: bool | None = None) -> str:
+    """The policy for the start-up line; for a folder, also where each part came from and the flag that changes it."""
+    policy = policy_for(dataset, shape, shift, flip)
+    if dataset != FOLDER:
+        parts = ([f"random shifts of up to {policy.pad} px"] if policy.pad else []) + (
+            ["horizontal flips"] if policy.flip else []
+        )
+        return " and ".join(parts) or "nothing to do (no shift, and this dataset is not flipped)"
+    channels, height, width = shape
+    rule = FOLDER_RULES[channels]
+    side = f"{min(height, width)} px" + (", the shorter side" if height != width else "")
+    least = ", at least 1 px" if min(height, width) < rule.share else ""
+    if policy.pad == 0:
+        shifts = "no shifts (--shift 0)"
+    elif shift is None:
+        shifts = f"random shifts of up to {policy.pad} px (1/{rule.share} of {side}{least}; --shift N to change)"
+    else:
+        shifts = f"random shifts of up to {policy.pad} px (--shift {shift})"
+    if flip is not None:
+        flips = "horizontal flips (--flip)" if flip else "no flips (--no-flip)"
+    elif rule.flip:
+        flips = f"horizontal flips ({rule.kind} folder; --no-flip if your classes are not mirror-symmetric)"
+    else:
+        flips = f"no flips ({rule.kind} folder; --flip if your classes are mirror-symmetric)"
+    return f"{shifts} and {flips}" if policy.flip else f"{shifts}, {flips}"
 
 
 def batch_rng(seed: int, rank: int, epoch: int, batch: int) -> np.random.Generator:

@@ -113,7 +113,9 @@ class Config:
     image_size: str = ""  # "W" or "WxH"; "": the most common size in train/ (the run records the size it used)
     channels: int = 0  # 1 or 3; 0: 1 when every training image is grey, else 3 (the run records the choice)
     val_split: float = 0.1  # share of each class of train/ held out for validation when there is no val/
-    flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
+    # True (--flip): the classes are mirror-symmetric, so --augment flips and --tta is allowed; False (--no-flip):
+    # they are not; None: the folder's rule by its channels (augment.FOLDER_RULES: colour flips, grey does not)
+    flip: bool | None = None
     skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
     classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in once the data is loaded
@@ -173,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative("--shift"),
         default=d.shift,
         help="with --augment: largest random shift in pixels, 0 for flips only "
-        "(None: 4 for cifar10, 2 for the 28x28 datasets)",
+        "(None: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/8 of the image's shorter side in colour, "
+        "1/14 in grey, rounded down, at least 1)",
     )
     p.add_argument("--model", default=d.model, choices=tuple(RECIPES), help="network to train")
     p.add_argument(
@@ -265,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tta",
         action="store_true",
         help="test-time augmentation: score every evaluation image and its mirror image and average the two outputs "
-        "(datasets whose classes are mirror-symmetric: fashion-mnist, cifar10)",
+        "(datasets whose classes are mirror-symmetric: fashion-mnist, cifar10, a colour folder unless --no-flip, "
+        "a grey folder with --flip)",
     )
     p.add_argument(
         "--target-acc",
@@ -367,9 +371,16 @@ def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
     )
     folder.add_argument(
         "--flip",
-        action="store_true",
+        action="store_const",
+        const=True,
         help="the classes are mirror-symmetric: --augment also flips training images, and --tta may be used "
-        "(a folder's classes are not flipped unless asked)",
+        "(None: a colour folder's images are flipped, a grey folder's are not)",
+    )
+    folder.add_argument(
+        "--no-flip",
+        action="store_true",
+        help="the classes are not mirror-symmetric (text, arrows, left and right): a colour folder's training "
+        "images are not flipped, and --tta is refused",
     )
     folder.add_argument(
         "--skip-bad-images",
@@ -395,6 +406,7 @@ def image_size(text: str) -> tuple[int, int] | None:
 def _check_folder_flags(cfg: Config) -> None:
     if cfg.dataset != FOLDER:
         given = [flag for flag, field in _FOLDER_FLAGS.items() if getattr(cfg, field) != getattr(Config(), field)]
+        given = ["--no-flip" if flag == "--flip" and cfg.flip is False else flag for flag in given]
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise ConfigError(f"{', '.join(given)} {verb} to --dataset folder only: drop it or pass --dataset folder")
@@ -413,6 +425,29 @@ _FOLDER_FLAGS = {
     "--flip": "flip",
     "--skip-bad-images": "skip_bad_images",
 }
+
+
+def tta_problem(cfg: Config) -> str | None:
+    """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does, or when a
+    folder's channels (and so its rule) are not known yet: --channels 0 before the data is loaded. The trainer
+    asks again once they are, with the channels the folder resolved to."""
+    if not cfg.tta:
+        return None
+    if cfg.dataset != FOLDER:
+        if augment.POLICIES[cfg.dataset].flip:
+            return None
+        return (
+            f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
+            "(a mirrored digit is another shape): drop --tta"
+        )
+    if cfg.flip is False:
+        return "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
+    if cfg.flip or not cfg.channels or augment.FOLDER_RULES[cfg.channels].flip:
+        return None
+    return (
+        "--tta mirrors the evaluation images, but a grey folder's classes are not taken for mirror-symmetric: "
+        "add --flip if they are, or drop --tta"
+    )
 
 
 def profile_window(text: str) -> tuple[int, int] | None:
@@ -438,6 +473,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
         setattr(ns, name, getattr(RECIPES[ns.model], name))
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
+    if ns.no_flip:
+        if ns.flip:
+            raise ConfigError("--flip and --no-flip contradict each other: pass one of them")
+        ns.flip = False
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
     if cfg.resume != "no" and cfg.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: pass one of them")
@@ -452,14 +491,8 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if not 0 <= cfg.target_acc <= 1:
         raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
     _check_folder_flags(cfg)
-    if cfg.tta and not augment.policy_for(cfg.dataset, flip=cfg.flip).flip:
-        raise ConfigError(
-            "--tta mirrors the evaluation images, but a folder's classes are not taken for mirror-symmetric: "
-            "add --flip if they are, or drop --tta"
-            if cfg.dataset == FOLDER
-            else f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
-            "(a mirrored digit is another shape): drop --tta"
-        )
+    if problem := tta_problem(cfg):
+        raise ConfigError(problem)
     if cfg.shift is not None and not cfg.augment:
         raise ConfigError("--shift sets the augmentation's shifts: add --augment, or drop --shift")
     if cfg.epochs == 0:

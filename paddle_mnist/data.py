@@ -233,7 +233,7 @@ class TrainBatches:
         self.split, self.ds, self.rank = split, ds, rank
         self.sampler = make_sampler(len(split), per_worker, rank, world_size)
         self.seed = cfg.seed
-        self.policy = augment.policy_for(ds.name, cfg.shift, cfg.flip) if cfg.augment else None
+        self.policy = augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip) if cfg.augment else None
 
     def __len__(self) -> int:
         return len(self.sampler)  # batches per epoch

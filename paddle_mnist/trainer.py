@@ -12,7 +12,7 @@ import paddle
 
 from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, launch, onednn, summary
 from .checkpoint import CheckpointStore
-from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps
+from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_problem
 from .distributed import DistEnv
 from .lock import RunLock
 from .log import memory_mb
@@ -87,7 +87,7 @@ def _stretched_text(cfg: Config, train_images: int, steps_per_epoch: int) -> str
 def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     if not cfg.augment:
         return "off"
-    return augment.describe(augment.policy_for(ds.name, cfg.shift, cfg.flip))
+    return augment.describe(ds.name, ds.image_shape, cfg.shift, cfg.flip)
 
 
 def _choose_checkpoint(store: CheckpointStore, cfg: Config, env: DistEnv, log: logging.Logger) -> Path | None:
@@ -204,6 +204,8 @@ def train_and_evaluate(
     except onednn.Unavailable as e:
         raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
     cfg, ds = _load_data(cfg, env, log)
+    if problem := tta_problem(cfg):  # a folder's channels, and so whether its rule flips, are known only now
+        raise ConfigError(problem)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     batches = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
     cfg = stretch_for_steps(cfg, len(batches))

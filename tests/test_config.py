@@ -62,3 +62,47 @@ def test_shift_and_label_smoothing_flags_are_checked():
         config.parse_args(["--label-smoothing", "1"])
     with pytest.raises(SystemExit):
         config.parse_args(["--augment", "--shift", "-1"])
+
+
+def test_flip_and_no_flip_are_a_folders_and_contradict_each_other(tmp_path):
+    base = ["--dataset", "folder", "--data-dir", str(tmp_path)]
+    assert config.parse_args(base).flip is None  # the folder's rule decides, by its channels
+    assert config.parse_args([*base, "--flip"]).flip is True
+    assert config.parse_args([*base, "--no-flip"]).flip is False
+    with pytest.raises(config.ConfigError) as e:
+        config.parse_args([*base, "--flip", "--no-flip"])
+    assert str(e.value) == "--flip and --no-flip contradict each other: pass one of them"
+    for flag in ("--flip", "--no-flip"):
+        with pytest.raises(config.ConfigError, match=f"^{flag} applies to --dataset folder only"):
+            config.parse_args(["--dataset", "cifar10", flag])
+    cfg = config.parse_args([*base, "--no-flip"])
+    (tmp_path / "c.json").write_text(cfg.to_json())
+    assert config.load_config(tmp_path / "c.json").flip is False
+
+
+def test_tta_is_judged_by_the_flips_a_folder_gets(tmp_path):
+    """Before the data is loaded a folder's channels may be unknown (--channels 0): then the trainer judges --tta
+    once they are, with the channels the folder resolved to."""
+    base = ["--dataset", "folder", "--data-dir", str(tmp_path), "--tta"]
+    for extra in ([], ["--flip"], ["--channels", "3"], ["--channels", "1", "--flip"]):
+        assert config.parse_args([*base, *extra]).tta, extra
+    grey = (
+        "--tta mirrors the evaluation images, but a grey folder's classes are not taken for mirror-symmetric: "
+        "add --flip if they are, or drop --tta"
+    )
+    no_flip = "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
+    for extra, message in (
+        (["--channels", "1"], grey),
+        (["--no-flip"], no_flip),
+        (["--channels", "3", "--no-flip"], no_flip),
+    ):
+        with pytest.raises(config.ConfigError) as e:
+            config.parse_args([*base, *extra])
+        assert str(e.value) == message
+    loaded = config.parse_args(base)
+    assert config.tta_problem(loaded) is None  # not known yet
+    assert config.tta_problem(dataclasses.replace(loaded, channels=3)) is None
+    assert config.tta_problem(dataclasses.replace(loaded, channels=1)) == grey
+    with pytest.raises(config.ConfigError, match="mnist's classes are not mirror-symmetric"):
+        config.parse_args(["--dataset", "mnist", "--tta"])
+    assert config.parse_args(["--dataset", "cifar10", "--tta"]).tta

@@ -32,6 +32,7 @@ from helpers import (
     write_idx,
     write_mnist_json,
 )
+from PIL import Image
 
 from paddle_mnist import augment, data, formats
 
@@ -420,15 +421,67 @@ def test_batches_resume_mid_epoch_with_the_same_augmentation():
 
 
 def test_shift_zero_leaves_only_flips():
-    policy = augment.policy_for("fashion-mnist", 0)
-    assert policy == augment.Augment(pad=0, flip=True) and augment.policy_for("cifar10").pad == 4
+    policy = augment.policy_for("fashion-mnist", (1, 28, 28), 0)
+    assert policy == augment.Augment(pad=0, flip=True) and augment.policy_for("cifar10", (3, 32, 32)).pad == 4
     images = np.random.default_rng(0).integers(0, 256, (64, 1, 28, 28), dtype=np.uint8)
     out = augment.shift_and_flip(images, policy, augment.batch_rng(0, 0, 0, 0))
     same = [np.array_equal(o, i) for o, i in zip(out, images)]
     mirrored = [np.array_equal(o, i[:, :, ::-1]) for o, i in zip(out, images)]
     assert all(s or m for s, m in zip(same, mirrored))
     assert 10 < sum(mirrored) < 54  # about half flipped
-    assert augment.describe(policy) == "horizontal flips"
+    assert augment.describe("fashion-mnist", (1, 28, 28), 0) == "horizontal flips"
+
+
+@pytest.mark.parametrize(
+    "shape, pad, flip",
+    [
+        ((3, 32, 32), 4, True),  # CIFAR-10's own policy
+        ((3, 64, 64), 8, True),
+        ((3, 28, 28), 3, True),  # 3.5 rounded down
+        ((3, 96, 64), 8, True),  # the shorter side: the shift is the same both ways
+        ((3, 8, 8), 1, True),
+        ((3, 4, 4), 1, True),  # at least 1 px
+        ((1, 28, 28), 2, False),  # MNIST's own policy
+        ((1, 16, 16), 1, False),
+        ((1, 32, 32), 2, False),
+        ((1, 64, 64), 4, False),
+        ((1, 128, 128), 9, False),
+        ((1, 10, 10), 1, False),
+    ],
+)
+def test_a_folder_is_augmented_by_its_images_channels_and_size(shape, pad, flip):
+    assert augment.policy_for("folder", shape) == augment.Augment(pad=pad, flip=flip)
+
+
+def test_the_folder_rule_is_the_built_in_datasets_policies_scaled():
+    assert augment.policy_for("folder", (3, 32, 32)) == augment.POLICIES["cifar10"]
+    assert augment.policy_for("folder", (1, 28, 28)) == augment.POLICIES["mnist"]
+    assert augment.policy_for("cifar10", (3, 32, 32)) == augment.POLICIES["cifar10"]  # a built-in's is its own
+
+
+def test_shift_flip_and_no_flip_override_the_folder_rule():
+    colour, grey = (3, 64, 64), (1, 64, 64)
+    assert augment.policy_for("folder", colour, flip=False) == augment.Augment(pad=8, flip=False)
+    assert augment.policy_for("folder", grey, flip=True) == augment.Augment(pad=4, flip=True)
+    assert augment.policy_for("folder", colour, shift=2) == augment.Augment(pad=2, flip=True)
+    assert augment.policy_for("folder", grey, shift=0, flip=True) == augment.Augment(pad=0, flip=True)
+
+
+def test_the_start_up_line_names_the_folder_rule_and_its_overrides():
+    describe = augment.describe
+    assert describe("folder", (3, 32, 32)) == (
+        "random shifts of up to 4 px (1/8 of 32 px; --shift N to change) and horizontal flips "
+        "(colour folder; --no-flip if your classes are not mirror-symmetric)"
+    )
+    assert describe("folder", (1, 28, 28)) == (
+        "random shifts of up to 2 px (1/14 of 28 px; --shift N to change), "
+        "no flips (grey folder; --flip if your classes are mirror-symmetric)"
+    )
+    assert describe("folder", (3, 48, 64)).startswith("random shifts of up to 6 px (1/8 of 48 px, the shorter side;")
+    assert describe("folder", (1, 10, 10)).startswith("random shifts of up to 1 px (1/14 of 10 px, at least 1 px;")
+    assert describe("folder", (3, 32, 32), 6, False) == "random shifts of up to 6 px (--shift 6), no flips (--no-flip)"
+    assert describe("folder", (1, 28, 28), 0, True) == "no shifts (--shift 0) and horizontal flips (--flip)"
+    assert describe("cifar10", (3, 32, 32)) == "random shifts of up to 4 px and horizontal flips"
 
 
 # ---- shards, the sampler, prefetch ----
@@ -506,6 +559,52 @@ def test_two_workers_train_on_a_cifar10_archive(tmp_path):
         assert "dataset cifar10 (3x32x32, 10 classes): train 320 of 320" in text
         assert "augmentation random shifts of up to 4 px and horizontal flips" in text
         assert "input wait" in text
+
+
+def write_image_folder(root, side: int, channels: int, per_class: int = 10) -> None:
+    """train/<class>/*.png: three classes of side x side noise around each class's own brightness, RGB or grey."""
+    rng = np.random.default_rng(0)
+    for k, name in enumerate(("ant", "bee", "cat")):
+        (root / "train" / name).mkdir(parents=True)
+        for i in range(per_class):
+            pixels = np.clip(rng.normal(60 + 70 * k, 40, (side, side, channels)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels.squeeze(axis=2) if channels == 1 else pixels).save(
+                root / "train" / name / f"{i}.png"
+            )
+
+
+FOLDER_RUN = ["--dataset", "folder", "--batch-size", "8", "--epochs", "1", "--log-every", "0"]
+
+
+@pytest.mark.slow
+def test_a_colour_folder_shifts_by_its_size_and_flips(tmp_path):
+    """The rule as the start-up line states it, on 48 px colour PNG files; --tta is allowed, as they flip."""
+    write_image_folder(tmp_path / "photos", 48, channels=3)
+    args = [
+        *FOLDER_RUN,
+        "--data-dir",
+        str(tmp_path / "photos"),
+        "--augment",
+        "--tta",
+        "--output-dir",
+        str(tmp_path / "o"),
+    ]
+    proc = run_single(args, cwd=tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    assert (
+        "augmentation random shifts of up to 6 px (1/8 of 48 px; --shift N to change) and horizontal flips "
+        "(colour folder; --no-flip if your classes are not mirror-symmetric)"
+    ) in proc.stdout
+
+
+@pytest.mark.slow
+def test_tta_on_a_grey_folder_is_refused_once_its_channels_are_known(tmp_path):
+    write_image_folder(tmp_path / "scans", 20, channels=1)
+    proc = run_single([*FOLDER_RUN, "--data-dir", str(tmp_path / "scans"), "--tta"], cwd=tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    assert "error: --tta mirrors the evaluation images, but a grey folder's classes" in proc.stdout + proc.stderr
+    assert "add --flip if they are, or drop --tta" in proc.stdout + proc.stderr
+    assert "epoch 1" not in proc.stdout + proc.stderr  # refused before training
 
 
 @pytest.mark.slow
