@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from . import chance, checkpoint, cpu, data, distributed, engine, launch, onednn
+from . import chance, checkpoint, cpu, data, distributed, engine, launch, onednn, waiting
 from .config import ConfigError, parse_args, resolve_for_world
 from .launch import LaunchError
 from .lock import RunLock
@@ -67,7 +67,7 @@ def _run_command(argv: list[str] | None) -> int:
     except Preempted as e:
         log.warning(str(e))
         return exit_code(e.signum)
-    except WriteFailed as e:
+    except (WriteFailed, waiting.PeerLost) as e:
         log.error(f"error: {e}")
         _point_to_summary(log)
         return 1

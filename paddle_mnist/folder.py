@@ -26,7 +26,8 @@ from .formats import DataError
 
 CACHE_NAME = ".paddle_mnist-cache"  # inside --data-dir; elsewhere when that is read-only (cache_dir)
 MANIFEST = "manifest.json"
-FORMAT = 1  # of the cache's files; with preprocess.VERSION in every manifest
+FORMAT = 2  # of the cache's files; with preprocess.VERSION in every manifest. 2: one folder per decoded setting
+PROGRESS_S = 15.0  # how often a build logs how far it has got
 VAL_NAMES = ("val", "valid")
 CHUNK = 256  # files per task of the decoding pool
 SAMPLE = 1000  # files of train/ whose headers choose the size and channels of the first decoding pass
@@ -58,7 +59,8 @@ class Listing:
 
 @dataclass(frozen=True)
 class Request:
-    """What the command line asks of the cache: a change to any of these builds it anew."""
+    """What the command line asks of the cache. A cache serves every request that decodes to the same pixels: an
+    explicit --image-size or --channels equal to what the folder's defaults resolve to reuses it."""
 
     image_size: str  # "W", "WxH" or "" (the most common size in train/)
     channels: int  # 1, 3 or 0 (grey when every image is)
@@ -256,12 +258,11 @@ def default_cache_dir(root: Path) -> Path:
     return home / "paddle_mnist" / f"folder-{hashlib.sha1(str(root).encode()).hexdigest()[:16]}"
 
 
-def _identity(listing: Listing, request: Request) -> dict:
-    """What a cache must have been built from to be used: the files (path, size, mtime) and the settings."""
+def _identity(listing: Listing) -> dict:
+    """What a cache must have been built from to be used: these very files (path, size, mtime), this code."""
     return {
         "format": FORMAT,
         "preprocess": preprocess.VERSION,
-        "request": [request.image_size, request.channels, request.val_split, request.skip_bad_images],
         "classes": list(listing.classes),
         "files": {s: [[e.path, e.size, e.mtime_ns] for e in entries] for s, entries in listing.splits.items()},
     }
@@ -274,9 +275,47 @@ def read_manifest(cache: Path) -> dict | None:
         return None
 
 
-def is_fresh(cache: Path, listing: Listing, request: Request) -> bool:
-    manifest = read_manifest(cache)
-    return manifest is not None and manifest.get("identity") == _identity(listing, request)
+def serves(manifest: dict, listing: Listing, request: Request) -> bool:
+    """Whether a cache with this manifest holds the very pixels request asks of these files.
+
+    The size and channels asked for are compared after the folder's defaults are put in, so `--image-size 32` on
+    a folder of 32x32 images is the cache its default built. --skip-bad-images changes nothing where no file was
+    bad (a build without it fails on the first bad file).
+    """
+    if manifest.get("identity") != _identity(listing) or manifest.get("val_split") != request.val_split:
+        return False
+    if manifest.get("skip_bad_images") != request.skip_bad_images and manifest.get("skipped"):
+        return False
+    size = image_size(request.image_size) or tuple(manifest["default_size"])
+    channels = request.channels or manifest["default_channels"]
+    return tuple(manifest["size"]) == tuple(size) and manifest["channels"] == channels
+
+
+def _variants(caches: Path) -> list[Path]:
+    """The cache folders under caches, one per decoded setting (size, channels, hold-out)."""
+    try:
+        return sorted(p for p in caches.iterdir() if p.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def find(listing: Listing, request: Request, caches: Path) -> Path | None:
+    """The cache under caches that serves request on these files, or None (one must be built)."""
+    for variant in _variants(caches):
+        manifest = read_manifest(variant)
+        if manifest is not None and serves(manifest, listing, request):
+            return variant
+    return None
+
+
+def is_fresh(caches: Path, listing: Listing, request: Request) -> bool:
+    return find(listing, request, caches) is not None
+
+
+def _variant_name(size: tuple[int, int], channels: int, request: Request, skipped: bool) -> str:
+    """The folder of one decoded setting, e.g. 32x32-rgb-val0.1: what a user sees when deciding what to delete."""
+    kind = "grey" if channels == 1 else "rgb"
+    return f"{size[0]}x{size[1]}-{kind}-val{request.val_split:g}" + ("-skip" if skipped else "")
 
 
 # ---- the decoding pool's work: module-level functions, so that the pool's processes can run them ----
@@ -354,81 +393,134 @@ def _refuse_bad(bad: list[tuple[str, str]], request: Request) -> None:
         )
 
 
-def _choose(headers: dict, train: list[Entry], request: Request, log: logging.Logger | None) -> tuple:
-    """((width, height), channels): as requested, or the defaults from these headers, logged (when log is given)
-    with the reason."""
-    size = image_size(request.image_size)
-    if size is None:
+def _defaults(headers: dict, train: list[Entry]) -> tuple[tuple[int, int], int]:
+    """The folder's own ((width, height), channels): the most common size in train/, grey when every image is."""
+    counts = collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
+    grey = all(h[2] for h in headers.values())
+    return counts.most_common(1)[0][0], 1 if grey else 3
+
+
+def _choose(defaults: tuple, request: Request) -> tuple[tuple[int, int], int]:
+    """((width, height), channels): as requested, the folder's defaults where the request leaves them open."""
+    return image_size(request.image_size) or defaults[0], request.channels or defaults[1]
+
+
+def _log_choice(headers: dict, train: list[Entry], request: Request, log: logging.Logger) -> None:
+    if not request.image_size:
         counts = collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
-        size, n = counts.most_common(1)[0]
-        if log:
-            log.info(f"image size {size[0]}x{size[1]}: the most common size in train/ ({n} of {sum(counts.values())})")
-    channels = request.channels
-    if not channels:
+        (w, h), n = counts.most_common(1)[0]
+        log.info(f"image size {w}x{h}: the most common size in train/ ({n} of {sum(counts.values())})")
+    if not request.channels:
         grey = all(h[2] for h in headers.values())
-        channels = 1 if grey else 3
-        if log:
-            log.info(f"channels {channels}: " + ("every image is grey" if grey else "some images are in colour"))
-    return size, channels
+        log.info(f"channels {1 if grey else 3}: " + ("every image is grey" if grey else "some images are in colour"))
 
 
-def build(listing: Listing, request: Request, cache: Path, log: logging.Logger, processes: int = 0) -> None:
-    """Decode every image into cache/<split>.npy (uint8, N x C x H x W) with labels and a manifest.
+class _Progress:
+    """A build's progress: logged every PROGRESS_S, and handed to report (the other ranks wait on it)."""
+
+    def __init__(self, total: int, log: logging.Logger, report=None, stopped=None):
+        self.total, self.log, self.report, self.stopped = total, log, report, stopped
+        self.done, self.started = 0, time.monotonic()
+        self.logged = self.started
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.report:
+            self.report(self.done, self.total)
+        if self.stopped and (signum := self.stopped()):
+            raise BuildStopped(signum)
+        now = time.monotonic()
+        if now - self.logged >= PROGRESS_S and self.done < self.total:
+            self.logged = now
+            rate = self.done / (now - self.started)
+            left = (self.total - self.done) / rate if rate else 0
+            self.log.info(f"decoded {self.done} of {self.total} images ({rate:.0f} images/s, about {left:.0f} s left)")
+
+
+class BuildStopped(Exception):
+    """A stop signal came while the cache was being built: the partial build was removed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def build(
+    listing: Listing,
+    request: Request,
+    caches: Path,
+    log: logging.Logger,
+    processes: int = 0,
+    report=None,
+    stopped=None,
+) -> Path:
+    """Decode every image into a new cache folder under caches (<split>.npy, uint8, N x C x H x W, with labels and
+    a manifest); its path.
 
     One pass opens each file once: it decodes to the size and channels that the first SAMPLE files of train/ in
     the cache's order (by the hash of their paths, after the hold-out) call for, and reads every file's size and
     mode on the way; in the rare case that the whole folder's defaults differ from those files', a second pass
-    decodes again.
+    decodes again. report(done, total) hears of every decoded run of files; stopped() (a signal number, 0 for
+    none) is asked after each, and a stop raises BuildStopped.
 
-    All of it is written into a temporary folder beside cache and renamed into place at the end, so a cache
-    folder is always whole; on any error the temporary folder is removed and the old cache is left as it was.
+    All of it is written into a temporary folder beside caches and renamed into place at the end, so a cache
+    folder is always whole; on any error the temporary folder is removed and the caches are left as they were.
     """
     plan = plan_splits(listing, request.val_split)
     root, started = listing.root, time.perf_counter()
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(cache)
-    tmp = _own(cache, "tmp")
+    caches.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(caches)
+    tmp = _own(caches, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     processes = processes or os.cpu_count() or 1
+    progress = _Progress(sum(map(len, plan.values())), log, report, stopped)
     try:
         with _pool(processes) as pool:
             sample = plan["train"][:SAMPLE]
             found = pool.map(_header, [str(root / e.path) for e in sample])
             seen = {e.path: h for e, h in zip(sample, found) if not isinstance(h, str)}
-            guess = _choose(seen, sample, request, None) if seen else ((1, 1), 1)
+            guess = _choose(_defaults(seen, sample), request) if seen else ((1, 1), 1)
             tmp.mkdir()
-            found = _decode_all(pool, root, plan, tmp, guess)
+            found = _decode_all(pool, root, plan, tmp, guess, progress)
             bad = [(str(root / path), h) for path, h in found.items() if isinstance(h, str)]
             _refuse_bad(bad, request)
             headers = {path: h for path, h in found.items() if not isinstance(h, str)}
             kept = {s: [e for e in entries if e.path in headers] for s, entries in plan.items()}
             _check_not_empty(kept, len(bad))
             _check_every_class_trains(listing, kept["train"], len(bad))
-            chosen = _choose(headers, kept["train"], request, log)
+            defaults = _defaults(headers, kept["train"])
+            chosen = _choose(defaults, request)
+            _log_choice(headers, kept["train"], request, log)
             if chosen != guess:
                 log.info("decoding again: the sample of train/ called for another size or channel count")
-                again = _decode_all(pool, root, kept, tmp, chosen)
+                progress = _Progress(sum(map(len, kept.values())), log, report, stopped)
+                again = _decode_all(pool, root, kept, tmp, chosen, progress)
                 _refuse_bad([(str(root / p), h) for p, h in again.items() if isinstance(h, str)], request)
             elif bad:
                 _drop_rows(tmp, plan, {path for path, h in found.items() if isinstance(h, str)})
         mean, std = data.channel_stats(np.load(tmp / "train.npy", mmap_mode="r"))
         size, channels = chosen
         manifest = {
-            "identity": _identity(listing, request),
+            "identity": _identity(listing),
             "size": list(size),
             "channels": channels,
+            "default_size": list(defaults[0]),
+            "default_channels": defaults[1],
+            "val_split": request.val_split,
+            "skip_bad_images": request.skip_bad_images,
             "counts": {s: len(entries) for s, entries in kept.items()},
             "mean": mean,
             "std": std,
             "skipped": [f"{path}: {why}" for path, why in bad],
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
-        _publish(tmp, cache)
+        cache = _publish(tmp, caches, _variant_name(size, channels, request, bool(bad)), listing, log)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n = sum(manifest["counts"].values())
     seconds = time.perf_counter() - started
     log.info(f"decoded {n} images in {seconds:.1f} s ({n / seconds:.0f} images/s, {processes} processes) into {cache}")
+    return cache
 
 
 def _check_space(folder: Path, nbytes: int) -> None:
@@ -440,7 +532,7 @@ def _check_space(folder: Path, nbytes: int) -> None:
         )
 
 
-def _decode_all(pool, root: Path, plan: dict, tmp: Path, shape: tuple) -> dict[str, tuple | str]:
+def _decode_all(pool, root: Path, plan: dict, tmp: Path, shape: tuple, progress: _Progress) -> dict[str, tuple | str]:
     """Decode every split into tmp/<split>.npy in parallel, to shape ((width, height), channels); per file
     (relative path) its header or why it cannot be read."""
     (width, height), channels = shape
@@ -455,6 +547,7 @@ def _decode_all(pool, root: Path, plan: dict, tmp: Path, shape: tuple) -> dict[s
             tasks.append(((str(array), lo, paths, channels, (width, height)), entries[lo : lo + CHUNK]))
     for (_, entries), result in zip(tasks, pool.imap(_decode, [task for task, _ in tasks])):
         found.update((e.path, h) for e, h in zip(entries, result))
+        progress.add(len(entries))
     return found
 
 
@@ -524,9 +617,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _publish(tmp: Path, cache: Path) -> None:
-    """Put the finished tmp folder where the cache lives; an older cache is moved aside first, then removed."""
-    old = _own(cache, "old")
+def _publish(tmp: Path, caches: Path, name: str, listing: Listing, log: logging.Logger) -> Path:
+    """Put the finished tmp folder in caches as name, and say what else is kept there: caches of other settings
+    stay (a user may come back to them); caches of files that are no longer there, and an older version's cache,
+    are removed."""
+    caches.mkdir(exist_ok=True)
+    old_format = [p for p in caches.iterdir() if p.is_file()]  # FORMAT 1 kept one cache's files in caches itself
+    for path in old_format:
+        path.unlink(missing_ok=True)
+    if old_format:
+        log.info(f"removed the cache of an earlier paddle_mnist version from {caches}")
+    cache, old = caches / name, _own(caches, "old")
     if cache.exists():
         os.replace(cache, old)
     try:
@@ -534,22 +635,44 @@ def _publish(tmp: Path, cache: Path) -> None:
     except OSError:  # another builder's cache landed first (a second machine on shared storage): keep theirs
         pass
     shutil.rmtree(old, ignore_errors=True)
+    others = []
+    for variant in _variants(caches):
+        if variant == cache:
+            continue
+        manifest = read_manifest(variant)
+        if manifest is None or manifest.get("identity") != _identity(listing):  # of files no longer there
+            os.replace(variant, old)
+            shutil.rmtree(old, ignore_errors=True)
+            log.info(f"removed {variant}: a cache of files that have changed since")
+        else:
+            others.append(variant)
+    if others:
+        mib = sum(f.stat().st_size for v in others for f in v.iterdir()) / 2**20
+        log.info(
+            f"kept {len(others)} cache(s) of other settings beside it ({', '.join(v.name for v in others)}, "
+            f"{mib:.0f} MiB): a run with those settings reuses them; delete a folder there to free its space"
+        )
+    return cache
 
 
-def ensure_cache(listing: Listing, request: Request, cache: Path, log: logging.Logger) -> None:
-    """Build the cache unless a fresh one is there (made from these very files with these settings)."""
-    if is_fresh(cache, listing, request):
-        return
-    reason = "no cache yet" if read_manifest(cache) is None else "the files or the settings changed"
+def ensure_cache(
+    listing: Listing, request: Request, caches: Path, log: logging.Logger, report=None, stopped=None
+) -> Path:
+    """The cache under caches that serves request on these files (see serves): found, or built now."""
+    found = find(listing, request, caches)
+    if found is not None:
+        return found
+    reason = "no cache yet" if not _variants(caches) else "none of the caches has these files and settings"
     n = sum(map(len, listing.splits.values()))
     log.info(f"decoding {n} images of {listing.root} into a cache ({reason})")
-    build(listing, request, cache, log)
+    return build(listing, request, caches, log, report=report, stopped=stopped)
 
 
-def load(listing: Listing, request: Request, cache: Path) -> tuple[data.Dataset, dict]:
-    """The dataset, memory-mapped from a fresh cache, and the cache's manifest; DataError if it is not fresh."""
-    manifest = read_manifest(cache)
-    if manifest is None or manifest.get("identity") != _identity(listing, request):
+def load(listing: Listing, request: Request, cache: Path | None) -> tuple[data.Dataset, dict]:
+    """The dataset, memory-mapped from cache (one of find's or ensure_cache's), and the cache's manifest;
+    DataError if it does not serve request on these files."""
+    manifest = read_manifest(cache) if cache is not None else None
+    if manifest is None or not serves(manifest, listing, request):
         raise DataError(
             f"{cache}: the cache does not match the files this worker sees in {listing.root}; on several machines, "
             "give each the same files (or put --data-dir on storage they share), then start again"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import paddle
 
-from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, launch, onednn, summary
+from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, launch, onednn, summary, waiting
 from .checkpoint import CheckpointStore
 from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_problem
 from .distributed import DistEnv
@@ -18,7 +18,7 @@ from .lock import RunLock
 from .log import memory_mb
 from .models import build_model, count_parameters
 from .outputs import BEST_WEIGHTS, RESULTS, WEIGHTS, RunFiles, output_dir_problem
-from .preempt import StopSignals
+from .preempt import Preempted, StopSignals, signal_name
 from .session import Session, check_best
 from .state import TrainState
 from .transfer import Feed
@@ -132,28 +132,38 @@ def _check_start(cfg: Config, env: DistEnv) -> int:
     return threads
 
 
-def _load_data(cfg: Config, env: DistEnv, log: logging.Logger) -> tuple[Config, data.Dataset]:
+def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals) -> tuple[Config, data.Dataset]:
     """The dataset, and the config with its class names (and for a folder the image size and channels it uses).
 
     A folder is listed and checked by every rank; its cache is built by the first worker of each machine while the
-    others wait, and every rank learns whether that worked before any of them goes on.
+    others wait in the job's key-value store (waiting.Meeting), however long the decoding takes, and every rank
+    learns whether that worked before any of them goes on.
     """
     if cfg.dataset != FOLDER:
         ds = data.load_dataset(cfg.dataset, cfg.data_dir)
         return dataclasses.replace(cfg, classes=ds.classes), ds
     listing = folder.list_folder(cfg.data_dir)
-    request, cache = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
+    request, caches = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
     problem = None
-    if env.local_rank == 0:
-        try:
-            folder.ensure_cache(listing, request, cache, log)
-        except data.DataError as e:
-            problem = e
-    refused = distributed.all_reduce_sum([1.0 if problem else 0.0], env)[0]
+    stopped = lambda: stop.signum  # noqa: E731
+    with waiting.Meeting("folder-cache", "the folder's cache", env, log, stopped, unit="images") as meeting:
+        if env.local_rank == 0:
+            try:
+                folder.ensure_cache(listing, request, caches, log, report=meeting.report, stopped=stopped)
+            except data.DataError as e:
+                problem = e
+            except folder.BuildStopped as e:
+                raise Preempted(
+                    e.signum,
+                    f"stopped by {signal_name(e.signum)} while decoding the folder; the unfinished cache was removed "
+                    "and nothing was trained: run the same command again",
+                ) from None
+        refused = meeting.finish(problem is None)
     if problem:
         raise problem
     if refused:
         raise data.DataError("the folder was refused by the worker that decodes it; its message is in its log")
+    cache = folder.find(listing, request, caches)
     ds, manifest = folder.load(listing, request, cache)
     width, height = manifest["size"]
     if listing.ignored:
@@ -203,7 +213,7 @@ def train_and_evaluate(
         log.info(onednn.activate(convolutions or onednn.prepare(cfg.conv_backend), env.device))
     except onednn.Unavailable as e:
         raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
-    cfg, ds = _load_data(cfg, env, log)
+    cfg, ds = _load_data(cfg, env, log, stop)
     if problem := tta_problem(cfg):  # a folder's channels, and so whether its rule flips, are known only now
         raise ConfigError(problem)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)

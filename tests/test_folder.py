@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -19,7 +20,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import explain, launch_env, param_digest, read_metrics, run_launch, run_single, weights, worker_log
+from helpers import (
+    TRAIN_PY,
+    explain,
+    launch_env,
+    param_digest,
+    rank_pid,
+    read_metrics,
+    reaped,
+    run_launch,
+    run_single,
+    wait_for,
+    weights,
+    worker_log,
+)
 from PIL import Image
 
 from paddle_mnist import augment, data, folder, preprocess
@@ -62,8 +76,7 @@ def request(**kw) -> folder.Request:
 
 def build(root: Path, req: folder.Request | None = None) -> tuple[data.Dataset, dict]:
     listing, req = folder.list_folder(root), req or request()
-    cache = folder.default_cache_dir(root)
-    folder.ensure_cache(listing, req, cache, LOG)
+    cache = folder.ensure_cache(listing, req, folder.default_cache_dir(root), LOG)
     return folder.load(listing, req, cache)
 
 
@@ -282,8 +295,10 @@ def _truncate(path: Path) -> None:
 def test_cache_is_built_once_and_used_while_fresh(tmp_path, fashion):
     root = make_folder(tmp_path / "d", fashion, train=8, val=2)
     ds, manifest = build(root)
-    cache = folder.default_cache_dir(root)
-    assert cache == root.resolve() / folder.CACHE_NAME
+    caches = folder.default_cache_dir(root)
+    assert caches == root.resolve() / folder.CACHE_NAME
+    cache = folder.find(folder.list_folder(root), request(), caches)
+    assert cache == caches / "28x28-grey-val0.25"
     assert isinstance(ds.train.images, np.memmap) and ds.image_shape == (1, 28, 28)
     assert (len(ds.train), len(ds.val)) == (32, 8) and ds.val_is_test
     assert ds.classes == tuple(sorted(CLASSES.values())) and manifest["channels"] == 1
@@ -314,10 +329,11 @@ def _change(root: Path) -> None:
 def test_cache_goes_stale_when_a_file_changes(tmp_path, fashion, edit):
     root = make_folder(tmp_path / "d", fashion, train=4, val=1)
     before, _ = build(root)
-    cache = folder.default_cache_dir(root)
+    caches = folder.default_cache_dir(root)
+    cache = folder.find(folder.list_folder(root), request(), caches)
     edit(root)
     listing = folder.list_folder(root)
-    assert not folder.is_fresh(cache, listing, request())
+    assert not folder.is_fresh(caches, listing, request())
     with pytest.raises(DataError, match="the cache does not match the files"):
         folder.load(listing, request(), cache)  # a stale cache is never read
     after, _ = build(root)
@@ -334,6 +350,44 @@ def test_other_settings_rebuild_and_defaults_follow_the_files(tmp_path, fashion)
     ds, manifest = build(root, request(image_size="20x12", channels=1))
     assert ds.image_shape == (1, 12, 20) and manifest["size"] == [20, 12]
     assert not list(root.resolve().glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
+
+
+def test_a_cache_serves_every_request_for_the_same_pixels_and_other_settings_are_kept(tmp_path, fashion, caplog):
+    """An explicit --image-size or --channels equal to the folder's defaults reuses the default's cache; a new
+    setting builds a cache of its own beside it, and going back to the first reuses that one."""
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    caches = folder.default_cache_dir(root)
+
+    def built(req: folder.Request) -> tuple[Path, int]:
+        cache = folder.ensure_cache(folder.list_folder(root), req, caches, LOG)
+        return cache, (cache / folder.MANIFEST).stat().st_mtime_ns
+
+    default, stamp = built(request())
+    for same in (request(image_size="28"), request(image_size="28x28", channels=1), request(skip_bad_images=True)):
+        assert built(same) == (default, stamp)  # the same pixels: found, not decoded again
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        bigger, _ = built(request(image_size="32"))
+    assert bigger != default and bigger.name == "32x32-grey-val0.25"
+    assert f"kept 1 cache(s) of other settings beside it ({default.name}" in caplog.text
+    assert built(request()) == (default, stamp)  # the first setting again: still there, not rebuilt
+    assert built(request(image_size="32"))[0] == bigger
+    assert built(request(val_split=0.5))[0] not in (default, bigger)  # another hold-out: other images, other cache
+
+
+def test_caches_of_files_that_changed_are_removed_and_an_old_format_cache_too(tmp_path, fashion, caplog):
+    root = make_folder(tmp_path / "d", fashion, train=4, val=1)
+    caches = folder.default_cache_dir(root)
+    caches.mkdir()
+    (caches / folder.MANIFEST).write_text("{}")  # FORMAT 1 kept its files in the cache folder itself
+    (caches / "train.npy").write_bytes(b"old")
+    first = folder.ensure_cache(folder.list_folder(root), request(), caches, LOG)
+    other = folder.ensure_cache(folder.list_folder(root), request(image_size="20"), caches, LOG)
+    assert not (caches / "train.npy").exists() and sorted(caches.iterdir()) == sorted([first, other])
+    _add(root)
+    with caplog.at_level(logging.INFO, logger=LOG.name):
+        now = folder.ensure_cache(folder.list_folder(root), request(), caches, LOG)
+    assert sorted(caches.iterdir()) == [now]  # the 20 px cache was of the files before the change
+    assert f"removed {other}: a cache of files that have changed since" in caplog.text
 
 
 def test_a_sample_that_guessed_wrong_is_decoded_again(tmp_path, fashion, monkeypatch, caplog):
@@ -362,7 +416,8 @@ def test_a_sample_that_guessed_wrong_is_decoded_again(tmp_path, fashion, monkeyp
 def test_unreadable_files_are_named_and_the_old_cache_kept(tmp_path, fashion, breaks, why):
     root = make_folder(tmp_path / "d", fashion, train=4, val=1)
     build(root)
-    cache = folder.default_cache_dir(root)
+    caches = folder.default_cache_dir(root)
+    cache = folder.find(folder.list_folder(root), request(), caches)
     old = (cache / folder.MANIFEST).read_text()
     victim = root / "train" / "Trouser" / "bad.png"
     if breaks is _bomb:
@@ -373,7 +428,7 @@ def test_unreadable_files_are_named_and_the_old_cache_kept(tmp_path, fashion, br
     if breaks is not _bomb:
         breaks(victim)
     with pytest.raises(DataError) as e:
-        folder.ensure_cache(listing, request(), cache, LOG)
+        folder.ensure_cache(listing, request(), caches, LOG)
     line = str(e.value)
     assert line.startswith(str(victim)) and why in line and "--skip-bad-images" in line and "\n" not in line
     assert (cache / folder.MANIFEST).read_text() == old
@@ -466,12 +521,13 @@ def test_folder_flags(tmp_path):
         (["--image-size", "64"], "--image-size applies to --dataset folder only"),
         (["--dataset", "folder"], "--dataset folder needs --data-dir"),
         ([*base, "--val-split", "1"], "--val-split is a share"),
-        ([*base, "--tta"], "add --flip if they are"),
+        ([*base, "--channels", "1", "--tta"], "add --flip if they are"),
     ]:
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)
     assert parse_args([*base, "--tta", "--flip"]).tta
-    assert not augment.policy_for("folder").flip and augment.policy_for("folder", flip=True).flip
+    grey = (1, 20, 20)
+    assert not augment.policy_for("folder", grey).flip and augment.policy_for("folder", grey, flip=True).flip
 
 
 def test_resume_refuses_another_val_split_on_a_folder(tmp_path):
@@ -633,3 +689,86 @@ def test_resume_refuses_a_folder_whose_classes_changed(runs, tmp_path):
     (line,) = _error_lines(proc.stdout + proc.stderr)
     assert "was trained on the classes Ankle boot ü, Sandalé, T-shirt top, Trouser" in line and "Trousers" in line
     assert (runs / "one" / "metrics.jsonl").read_text() == before
+
+
+# ---- a cold cache on real processes: no worker waits in a collective while another decodes ----
+
+
+def _forked_children(pid: int) -> list[int]:
+    """The processes pid forked (the decoding pool's): children running pid's own command line, so not a compiler
+    that a first build of the oneDNN operator runs."""
+    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # the field after the state
+            if parent == pid and (stat.parent / "cmdline").read_bytes() == command:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_decode_slower_than_gloos_timeout_keeps_three_workers_waiting(tmp_path, fashion):
+    """Rank 0's decoding processes are stopped (SIGSTOP) for longer than gloo's 30 s collective timeout as soon as
+    they exist: ranks 1 and 2 wait in the key-value store, say what they wait for, and the job trains once the
+    decoding goes on. Before the meeting, they waited in an all-reduce and gloo ended the job."""
+    images = make_folder(tmp_path / "images", fashion, train=400, test=5)  # decoded in a second or two
+    out = tmp_path / "out"
+    args = [*SMALL, "--data-dir", str(images), "--output-dir", str(out), "--max-steps", "4", "--batch-size", "30"]
+    log_dir = tmp_path / "log"
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "3", "--log_dir", str(log_dir)]
+    job = subprocess.Popen([*cmd, str(TRAIN_PY), *args], cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL)
+    with reaped(job):
+        wait_for(job, log_dir / "workerlog.0", "decoding 1620 images")  # the pool starts next
+        deadline, stopped = time.monotonic() + 120, []
+        while not stopped:
+            assert job.poll() is None and time.monotonic() < deadline, "rank 0 never started its decoding processes"
+            with contextlib.suppress(AssertionError, OSError):
+                stopped = _forked_children(rank_pid(out, 0))
+            time.sleep(0.01)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        time.sleep(40)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        ended = job.wait(timeout=240)
+        assert ended == 0, explain(subprocess.CompletedProcess(cmd, ended, "", ""), log_dir)
+    logs = [worker_log(tmp_path / "log", r) for r in range(3)]
+    assert "decoded 1620 images in" in logs[0]
+    for log in logs[1:]:  # a line every 15 s of waiting: the decoding was held up
+        assert "waiting for the folder's cache: rank 0 at" in log and "decoding" not in log, log
+        assert "finished: test accuracy" in log
+    assert not list(images.glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
+
+
+CIFAR_JPEG = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg" / "cifar10-jpeg.tar.gz"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CIFAR_JPEG.exists(), reason=f"the CIFAR-10 JPEG copy is not at {CIFAR_JPEG}")
+def test_the_readme_folder_command_trains_cifar10_from_a_cold_cache(tmp_path):
+    """The README's folder command on the 60,000 CIFAR-10 JPEG files, unpacked afresh (a cold cache), with 2 real
+    workers: rank 0 decodes them for about a minute while rank 1 waits in the store, then both train."""
+    subprocess.run(["tar", "xzf", str(CIFAR_JPEG), "-C", str(tmp_path)], check=True)
+    root = tmp_path / "cifar"
+    root.mkdir()
+    for split in ("train", "test"):
+        (tmp_path / split).rename(root / split)
+    out = tmp_path / "run"
+    args = ["--dataset", "folder", "--data-dir", str(root), "--augment", "--output-dir", str(out)]
+    args += ["--max-steps", "10", "--eval-limit", "500"]  # the start is what is tested: a few steps, then the end
+    job = run_launch(args, cwd=tmp_path, log_dir=tmp_path / "log", timeout=900)
+    assert job.returncode == 0, explain(job, tmp_path / "log")
+    logs = [worker_log(tmp_path / "log", r) for r in (0, 1)]
+    assert "decoding 60000 images" in logs[0] and re.search(r"decoded 60000 images in [\d.]+ s \(\d+ images/s", logs[0])
+    assert "waiting for the folder's cache: rank 0 at" in logs[1] and "decoding" not in logs[1]
+    cache = folder.find(folder.list_folder(root), folder.Request("", 0, 0.1, False), folder.default_cache_dir(root))
+    assert cache is not None and cache.name == "32x32-rgb-val0.1"
+    manifest = folder.read_manifest(cache)
+    assert manifest["counts"] == {"train": 45000, "val": 5000, "test": 10000} and manifest["channels"] == 3
+    assert not list(root.glob(f"{folder.CACHE_NAME}.*"))
+    assert json.loads((out / "results.json").read_text())["test_count"] == 500
