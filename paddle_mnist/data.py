@@ -51,11 +51,34 @@ class Dataset:
         return tuple(self.train.images.shape[1:])
 
 
-def _missing(folder: Path, name: str, what: str) -> DataError:
-    return DataError(
+# what each built-in dataset's files are, for the message when --data-dir holds class folders instead
+FORMATS = {
+    "mnist": "MNIST's idx files",
+    "fashion-mnist": "Fashion-MNIST's idx files",
+    "cifar10": "CIFAR-10's python batches",
+    "mnist-json": "an mnist.json file",
+}
+
+
+class MissingFiles(DataError):
+    """A built-in dataset's files are not where --data-dir (or data/NAME) points."""
+
+
+def _missing(folder: Path, name: str, what: str) -> MissingFiles:
+    return MissingFiles(
         f"{folder}: {what}; run python -m paddle_mnist.download {name} (on a machine with network), "
         "or put the files there, or pass --data-dir"
     )
+
+
+def _class_folder(folder: Path) -> str | None:
+    """train/<class>, the first class folder of --dataset folder's layout under folder; None where it has none."""
+    train = folder / "train"
+    try:
+        names = sorted(p.name for p in train.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:  # no train/ folder, or not one this process may list
+        return None
+    return f"train/{names[0]}" if names else None
 
 
 def verify_checksums(folder: Path) -> None:
@@ -135,7 +158,15 @@ def load_dataset(name: str, data_dir: str | None = None) -> Dataset:
     if not path.exists():
         raise _missing(path, name, "no such folder")
     verify_checksums(path if path.is_dir() else path.parent)
-    train, val, test, classes = _read(name, path)
+    try:
+        train, val, test, classes = _read(name, path)
+    except MissingFiles:
+        if example := _class_folder(path):  # the layout --dataset folder reads: say so, not how to download
+            raise DataError(
+                f"{path} holds class folders ({example}/...), not {FORMATS[name]}: "
+                f"pass --dataset folder --data-dir {path}"
+            ) from None
+        raise
     mean, std = channel_stats(train.images)
     return Dataset(name, train, val, test, mean, std, classes)
 

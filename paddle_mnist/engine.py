@@ -99,6 +99,7 @@ class Epoch:
                 state.step += 1
                 state.batch_in_epoch += 1
                 t2 = time.perf_counter()
+                timer.add_compute(t2 - t1, sampled is not None)
                 self.loss_sum += batch_loss_sum
                 correct += batch_correct
                 seen += len(labels)
@@ -138,7 +139,7 @@ class Epoch:
             seconds=seconds,
             input_wait=timer.seconds["input_wait"],
             own_seconds=own,
-            phase_shares=timing.shares(timer.seconds, timer.samples, steps, own),
+            phase_shares=timing.shares(timer.seconds, own, timer.compute, timer.sampled_compute),
             samples=timer.samples,
             clipped=int(norms.clipped),
             grad_norm=norms.mean(),

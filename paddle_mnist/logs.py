@@ -17,6 +17,8 @@ from pathlib import Path
 
 PROGRESS = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) done")
+# the last epoch of a run that --max-steps ended mid-epoch (evaluated like any other)
+EPOCH_CUT = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) stopped at --max-steps (\d+)")
 TAG = re.compile(r"\[rank (\d+)/(\d+)\]")  # global rank / world size
 WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 MEMORY = re.compile(r"memory (\d+) MiB")
@@ -220,6 +222,8 @@ def read_rank(path: Path, source: str | None = None) -> RankReport:
             where = f"epoch {m.group(3)}, step {m.group(4)} of {m.group(5)}"
         elif m := EPOCH_DONE.search(line):
             where = f"end of epoch {m.group(3)} of {m.group(4)}"
+        elif m := EPOCH_CUT.search(line):
+            where = f"--max-steps {m.group(5)} in epoch {m.group(3)} of {m.group(4)}"
     status, message = "stopped", ""
     errors = [line for line in lines if "] error: " in line or line.startswith("error: ")]
     signalled = [line for line in lines if "] stopped by SIG" in line or "] stopped at once by a second SIG" in line]

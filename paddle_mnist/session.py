@@ -57,12 +57,17 @@ def epoch_row(cfg: Config, env: DistEnv, state: TrainState, stats: engine.EpochS
     }
 
 
-def log_epoch(log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochStats) -> None:
+def log_epoch(
+    log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochStats, cut: tuple[int, int] | None = None
+) -> None:
+    """The epoch's lines; cut: (batches trained, batches per epoch) when --max-steps ended training mid-epoch."""
     step_ms = 1000 * stats.own_seconds / max(stats.steps, 1)
     shares = timing.describe(stats.phase_shares, step_ms, stats.samples, row["world_size"])
     log.info(f"epoch {row['epoch']} time per {shares}")
+    # logs.py reads "epoch N/M done" and "epoch N/M stopped at --max-steps S"
+    ended = f"stopped at --max-steps {cfg.max_steps} (batch {cut[0]} of {cut[1]})" if cut else "done"
     log.info(
-        f"epoch {row['epoch']}/{cfg.epochs} done: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+        f"epoch {row['epoch']}/{cfg.epochs} {ended}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f} ({row['val_count']} images) | "
         f"{row['epoch_time_s']:.1f}s, {row['images_per_sec']:.0f} img/s global, "
         f"input wait {100 * row['input_wait_share']:.1f}%, memory {row['rss_mb']:.0f} MiB"
@@ -128,6 +133,7 @@ class Session:
         batches_per_epoch: int,
         resumed: Path | None,
         levels: chance.LossLevels,
+        eval_images: int,
     ):
         self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
         self.stop, self.batches_per_epoch, self.resumed, self.levels = stop, batches_per_epoch, resumed, levels
@@ -141,6 +147,9 @@ class Session:
         self.dog = Watchdog(env, cfg.collective_timeout, log)
         self.profile = ProfileWindow(profile_window(cfg.profile_steps), cfg.output_dir, env, log)
         self.started = time.time()
+        self.eval_images = eval_images  # one evaluation's, for the estimate of the run's time
+        self.first_step = state.step  # this session's: a resumed run estimates only the steps it has left
+        self.clock = timing.RunClock()
 
     def __enter__(self) -> Session:
         if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
@@ -184,6 +193,9 @@ class Session:
 
     def after_step(self, loss_sum) -> None:
         state, cfg = self.state, self.cfg
+        self.clock.step()
+        if self.clock.steps == timing.ESTIMATE_AFTER and self.env.is_main:
+            self.log.info(self.estimate())
         self.dog.progress(state.step)
         self.profile.after_step(state.step)
         if state.ema:
@@ -201,6 +213,46 @@ class Session:
                 self.meet(state.step)  # a failed save stops every rank with the write error
             where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
             raise stopped(signum, state.step, where, self.files.store.path(state.step))
+
+    def estimate(self) -> str:
+        """This session's time from its first step to its last epoch's end (training and evaluation; not start-up,
+        a separate test split's score or the export), from the steps and epoch ends timed so far."""
+        cfg, state, clock, per_epoch = self.cfg, self.state, self.clock, self.batches_per_epoch
+        per_step = clock.step_seconds / max(clock.steps, 1)
+        steps_left = self.last_step - state.step
+        ends = timing.epoch_ends_left(state.batch_in_epoch, per_epoch, steps_left)
+        if clock.ends:
+            per_end = clock.end_seconds / clock.ends
+            rates = f"{timing.step_text(per_step)} a step, {timing.duration_text(per_end)} an evaluation so far"
+        else:  # forward passes only, twice with --tta, sharded like training
+            per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST * (2 if cfg.tta else 1)
+            guessed = timing.duration_text(per_end)
+            rates = f"{timing.step_text(per_step)} a step so far, an evaluation guessed at {guessed}"
+        left = steps_left * per_step + ends * per_end
+        total = clock.so_far() + left
+        evaluations = self._evaluations(ends + clock.ends)
+        now = time.time()
+        return (
+            f"estimated time: {timing.duration_text(total)} for {self._steps_text()}{evaluations} ({rates}); "
+            f"ends about {timing.clock_text(now + left, now)}"
+        )
+
+    def _steps_text(self) -> str:
+        """The steps this session trains, as the plan and --max-steps make them."""
+        cfg, per_epoch = self.cfg, self.batches_per_epoch
+        planned, steps = cfg.epochs * per_epoch, self.last_step - self.first_step
+        if self.first_step and self.last_step < planned:
+            return f"the {steps} steps left to --max-steps {cfg.max_steps}"
+        if self.first_step:
+            return f"the {steps} steps left of {cfg.epochs} epochs of {per_epoch}"
+        if self.last_step < planned:
+            return f"{steps} steps (--max-steps; {cfg.epochs} epochs would be {planned})"
+        return f"{cfg.epochs} epochs of {per_epoch} steps"
+
+    def _evaluations(self, count: int) -> str:
+        if not self.eval_images:
+            return ""
+        return f" and {count} evaluation{'s' if count > 1 else ''} of {self.eval_images} images"
 
     def _save_mid_epoch(self, loss_sum, for_stop: bool) -> None:
         state, env = self.state, self.env
@@ -225,7 +277,9 @@ class Session:
         state, cfg = self.state, self.cfg
         self.dog.progress(state.step)
         row = epoch_row(cfg, self.env, state, stats, val)
-        log_epoch(self.log, cfg, row, stats)
+        # an epoch ends short of its batches only where --max-steps comes first
+        cut = (state.batch_in_epoch, self.batches_per_epoch) if state.batch_in_epoch < self.batches_per_epoch else None
+        log_epoch(self.log, cfg, row, stats, cut)
         self.last_loss = stats.loss
         engine.check_weights(state)  # the loss was checked, on every rank, at the end of the epoch
         self.files.append_metrics(row)
@@ -242,6 +296,7 @@ class Session:
             self.files.save_checkpoint(state.contents(self.elapsed(), rng_by_rank))
             if improved:
                 self.files.save_best(net)
+        self.clock.epoch_end()
         if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
             where = f"end of epoch {row['epoch']}"
             raise stopped(signum, state.step, where, self.files.store.path(state.step))

@@ -26,6 +26,10 @@ class StepTimer:
     they are called) and nothing else changes: the gradient all-reduce stays inside backward, where DataParallel
     overlaps it with the computation, so it is timed as part of backward. Other steps are not touched, which keeps
     the cost to a few syncs every `every` steps.
+
+    Every step's compute (from its batch in hand to its update made, which holds the sampled phases) is timed too,
+    and the sampled steps' own: the phases are shares of the sampled steps' compute, never of an average step's,
+    which a sampled step can outlast (its syncs, a busy machine) by more than "other" holds.
     """
 
     def __init__(self, every: int, sync: Callable[[], None]):
@@ -33,6 +37,8 @@ class StepTimer:
         self._sync = sync
         self.seconds = dict.fromkeys(SAMPLED + EVERY_STEP, 0.0)
         self.samples = 0
+        self.compute = 0.0  # every step's
+        self.sampled_compute = 0.0  # the sampled steps' alone
         self._t = 0.0
 
     def wants(self, step: int) -> bool:
@@ -54,20 +60,31 @@ class StepTimer:
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] += seconds
 
+    def add_compute(self, seconds: float, sampled: bool) -> None:
+        """One step's compute: a span that holds its sampled phases, if it was sampled."""
+        self.compute += seconds
+        if sampled:
+            self.sampled_compute += seconds
 
-def shares(seconds: dict[str, float], samples: int, steps: int, elapsed: float) -> dict[str, float | None]:
-    """Each phase's share of the mean step time; sampled phases use the mean over the sampled steps.
 
-    The sampled phases are None when no step was sampled; "other" (metric bookkeeping, the scheduler, Python) is
-    what the named phases leave of the step and is None then too.
+def shares(
+    seconds: dict[str, float], elapsed: float, compute: float, sampled_compute: float
+) -> dict[str, float | None]:
+    """Each phase's share of the epoch's step time (elapsed): input wait and logging as timed on every step, the
+    sampled phases as their share of the sampled steps' compute applied to every step's compute.
+
+    The spans are nested (phases inside a step's compute, compute, input wait and logging side by side inside the
+    epoch), so the shares add up to 1 and "other" (metric bookkeeping, the scheduler, Python) is never negative.
+    The sampled phases and "other" are None when no step was sampled.
     """
-    if steps <= 0 or elapsed <= 0:
+    if elapsed <= 0:
         return dict.fromkeys(PHASES)
-    step = elapsed / steps
-    out: dict[str, float | None] = {p: seconds[p] / steps / step for p in EVERY_STEP}
+    out: dict[str, float | None] = {p: seconds[p] / elapsed for p in EVERY_STEP}
+    scale = compute / elapsed / sampled_compute if sampled_compute > 0 else None
     for p in SAMPLED:
-        out[p] = seconds[p] / samples / step if samples else None
-    out["other"] = 1.0 - sum(out.values()) if samples else None
+        out[p] = seconds[p] * scale if scale is not None else None
+    # max: only the last bits of rounding could take it below zero
+    out["other"] = max(0.0, 1.0 - sum(out.values())) if scale is not None else None
     return {p: out[p] for p in PHASES}
 
 
@@ -103,3 +120,65 @@ COMMAND_START = _command_start()
 
 def since_command_start() -> float:
     return time.time() - COMMAND_START
+
+
+ESTIMATE_AFTER = 20  # timed steps before the run's time is estimated: enough that one slow step does not sway it
+EVAL_COST = 1 / 3  # an evaluated image's time over a trained one's until an evaluation is timed: forward only
+
+
+class RunClock:
+    """A session's steps and epoch ends, timed as they go, for an early estimate of when the run ends.
+
+    A step is timed from the previous step's end (or epoch end) to its own, so its checkpoints and meetings and
+    its epoch's start count; the session's first step, which pays one-off costs (kernel choice, memory), does
+    not. An epoch end (statistics, evaluation, checkpoint) is timed from its last step's end.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self.started = clock()
+        self._last: float | None = None
+        self.step_seconds, self.steps = 0.0, 0
+        self.end_seconds, self.ends = 0.0, 0
+
+    def step(self) -> None:
+        now = self._clock()
+        if self._last is not None:
+            self.step_seconds, self.steps = self.step_seconds + now - self._last, self.steps + 1
+        self._last = now
+
+    def epoch_end(self) -> None:
+        now = self._clock()
+        if self._last is not None:
+            self.end_seconds, self.ends = self.end_seconds + now - self._last, self.ends + 1
+        self._last = now
+
+    def so_far(self) -> float:
+        return self._clock() - self.started
+
+
+def epoch_ends_left(batch_in_epoch: int, batches_per_epoch: int, steps_left: int) -> int:
+    """Epoch ends still to come during an epoch (its own included) when steps_left steps remain to be trained."""
+    in_this = batches_per_epoch - batch_in_epoch
+    return 1 + max(0, -(-(steps_left - in_this) // batches_per_epoch))
+
+
+def duration_text(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+
+
+def step_text(seconds: float) -> str:
+    return f"{1000 * seconds:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def clock_text(when: float, now: float) -> str:
+    """A local time of day, with its day when that is not today's."""
+    at, today = time.localtime(when), time.localtime(now)
+    same_day = (at.tm_year, at.tm_yday) == (today.tm_year, today.tm_yday)
+    return time.strftime("%H:%M" if same_day else "%a %d %b %H:%M", at)

@@ -243,7 +243,16 @@ def train_and_evaluate(
     feed = Feed(env.device)
     levels = chance.LossLevels.of(train.labels, len(ds.classes), cfg.label_smoothing)
     session = Session(
-        cfg, env, log, state, files, stop=stop, batches_per_epoch=len(batches), resumed=resumed, levels=levels
+        cfg,
+        env,
+        log,
+        state,
+        files,
+        stop=stop,
+        batches_per_epoch=len(batches),
+        resumed=resumed,
+        levels=levels,
+        eval_images=len(val_split),
     )
     with session:
         while session.training():

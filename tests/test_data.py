@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -149,6 +150,33 @@ def test_no_cifar_files_says_how_to_get_them(tmp_path):
     want = r"neither cifar-10-python\.tar\.gz nor cifar-10-batches-py/.*python -m paddle_mnist\.download cifar10"
     with pytest.raises(data.DataError, match=want):
         data.load_dataset("cifar10", str(tmp_path))
+
+
+def class_folders(root):
+    """A tiny --dataset folder tree, as the CIFAR-10 JPEG copy is laid out: root/train/<class>/*.jpg."""
+    images, _ = make_colour_images(4, seed=5)
+    for i, name in enumerate(("airplane", "automobile", "airplane", "automobile")):
+        (root / "train" / name).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(images[i].transpose(1, 2, 0)).save(root / "train" / name / f"{i}.jpg")
+    return root
+
+
+@pytest.mark.parametrize(("name", "files"), [("cifar10", "CIFAR-10's python batches"), ("mnist", "MNIST's idx files")])
+def test_class_folders_given_to_a_built_in_dataset_name_dataset_folder(tmp_path, name, files):
+    root = class_folders(tmp_path / "cifar")
+    want = f"{root} holds class folders (train/airplane/...), not {files}: pass --dataset folder --data-dir {root}"
+    with pytest.raises(data.DataError, match=re.escape(want) + "$"):
+        data.load_dataset(name, str(root))
+
+
+@pytest.mark.slow
+def test_cifar10_on_class_folders_stops_before_training_and_names_dataset_folder(tmp_path):
+    root = class_folders(tmp_path / "cifar")
+    proc = run_single(["--dataset", "cifar10", "--data-dir", str(root), "--output-dir", "out"], cwd=tmp_path)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].endswith(f"pass --dataset folder --data-dir {root}"), explain(proc)
+    assert "python -m paddle_mnist.download" not in proc.stdout and not (tmp_path / "out").exists()
 
 
 class _RunsCode:

@@ -29,7 +29,11 @@ from helpers import (
     wait_for,
 )
 
-from paddle_mnist.logs import LogsError, main, summarise
+from paddle_mnist import engine, session, timing
+from paddle_mnist.config import Config
+from paddle_mnist.distributed import DistEnv
+from paddle_mnist.log import get_logger
+from paddle_mnist.logs import LogsError, main, read_rank, summarise
 
 ARGS = small_run(train_limit=None, eval_limit=None, batch_size=64)
 
@@ -341,6 +345,22 @@ def test_nccl_errors_quoted_from_paddles_issues(tmp_path, quoted):
     assert "cause: NCCL, the library that carries the GPUs' collectives, failed" in summary
     assert "OSError: (External) NCCL error(" in summary.split("evidence:")[1]
     assert "fix: rerun with NCCL_DEBUG=INFO" in summary
+
+
+EPOCH_ENDS = [(None, "end of epoch 1 of 8"), ((30, 32), "--max-steps 30 in epoch 1 of 8")]
+
+
+@pytest.mark.parametrize(("cut", "where"), EPOCH_ENDS)
+def test_the_epoch_line_is_read_whether_the_epoch_ended_or_max_steps_cut_it(tmp_path, capsys, cut, where):
+    """The trainer's own epoch lines (session.log_epoch through its logger) give the rank's last progress."""
+    shares = timing.shares(dict.fromkeys(timing.SAMPLED + timing.EVERY_STEP, 0.01), 1.0, 0.9, 0.1)
+    fields = {"loss": 0.5, "acc": 0.8, "images": 480, "seconds": 1.0, "input_wait": 0.01, "own_seconds": 1.0}
+    stats = engine.EpochStats(**fields, steps=30, phase_shares=shares, samples=1)
+    row = {"epoch": 1, "world_size": 1, "train_loss": 0.5, "train_acc": 0.8, "val_loss": 0.4, "val_acc": 0.9}
+    row |= {"val_count": 201, "epoch_time_s": 1.0, "images_per_sec": 480, "input_wait_share": 0.01, "rss_mb": 300}
+    session.log_epoch(get_logger(DistEnv(0, 1, 0, 1, "none", "cpu")), Config(epochs=8, max_steps=30), row, stats, cut)
+    (tmp_path / "workerlog.0").write_text(capsys.readouterr().out)
+    assert read_rank(tmp_path / "workerlog.0").where == where
 
 
 def test_command_line(tmp_path, capsys):

@@ -1,11 +1,15 @@
-"""What happens around the steps (session.py): the epoch's metrics row and log line, clipped and skipped steps."""
+"""What happens around the steps (session.py): the epoch's metrics row and log line, clipped and skipped steps, the
+estimate of the run's time."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 
 import paddle
+import pytest
+from helpers import explain, read_metrics, run_single, small_run
 
 from paddle_mnist import engine, session
 from paddle_mnist.config import Config
@@ -35,3 +39,38 @@ def test_skipped_steps_reach_the_metrics_row_and_the_epoch_log_line(caplog):
     assert "2 step(s) skipped with inf/NaN gradients (fp16 overflow)" in clipping[0]
     unclipped = session.epoch_row(Config(model="mnist_cnn", epochs=2), one, state, stats, val)
     assert not {"skipped_steps", "clipped_share", "grad_norm"} & set(unclipped)  # the row without clipping, as before
+
+
+def _line(text: str, pattern: str) -> str:
+    found = [line for line in text.splitlines() if re.search(pattern, line)]
+    assert len(found) == 1, f"{pattern!r}: {found}\n{text[-3000:]}"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_max_steps_and_resume_are_told_in_the_estimate_and_the_epoch_line(dataset, tmp_path):
+    """--max-steps 30 in epochs of 32 steps: the estimate counts 30 steps and 1 evaluation, and the epoch line
+    says where it stopped, never "done"; resumed to --max-steps 60, the estimate counts only the 30 steps left,
+    with the evaluation it has timed, and the epoch the resume finished is "done"."""
+    args = [*small_run(batch_size=16, epochs=8, log_every=10), "--data-dir", str(dataset), "--output-dir", "out"]
+    first = run_single([*args, "--max-steps", "30"], cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    estimate = _line(first.stdout, "estimated time: ")
+    assert "for 30 steps (--max-steps; 8 epochs would be 256) and 1 evaluation of 201 images (" in estimate
+    assert re.search(r"a step so far, an evaluation guessed at [\d.]+ s\); ends about \d\d:\d\d$", estimate)
+    # the estimate's step time is the run's, whatever the machine's load (a factor of 5 either way)
+    per_step = float(re.search(r"\((\d+) ms a step", estimate).group(1))
+    timed = float(re.search(r"epoch 1 time per step ([\d.]+) ms", first.stdout).group(1))
+    assert timed / 5 < per_step < timed * 5, (estimate, timed)
+    assert "epoch 1/8 stopped at --max-steps 30 (batch 30 of 32): train loss" in first.stdout
+    assert "epoch 1/8 done" not in first.stdout
+
+    second = run_single([*args, "--max-steps", "60", "--resume", "auto"], cwd=tmp_path)
+    assert second.returncode == 0, explain(second)
+    estimate = _line(second.stdout, "estimated time: ")
+    assert "for the 30 steps left to --max-steps 60 and 2 evaluations of 201 images (" in estimate
+    assert re.search(r"ms a step, [\d.]+ s an evaluation so far\); ends about \d\d:\d\d$", estimate)
+    assert "epoch 1/8 done: train loss" in second.stdout  # its last 2 steps
+    assert "epoch 2/8 stopped at --max-steps 60 (batch 28 of 32): train loss" in second.stdout
+    # the cut epoch's row (step 30) gave way to the resumed epoch's whole one
+    assert [row["step"] for row in read_metrics(tmp_path / "out")] == [32, 60]
