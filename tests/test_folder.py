@@ -745,6 +745,36 @@ def test_a_decode_slower_than_gloos_timeout_keeps_three_workers_waiting(tmp_path
     assert not list(images.glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
 
 
+@pytest.mark.slow
+def test_a_stop_signal_while_decoding_removes_the_unfinished_cache(tmp_path, fashion):
+    """SIGTERM to a one-process run while its decoding processes are held: once they go on, the build stops at the
+    next run of files, removes its temporary folder and ends as a stop (128 + 15), naming what to do."""
+    images = make_folder(tmp_path / "images", fashion, train=400, test=5)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(TRAIN_PY), *SMALL, "--data-dir", str(images), "--output-dir", str(out)]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    with reaped(job):
+        deadline, held = time.monotonic() + 120, []
+        while not held:
+            assert job.poll() is None and time.monotonic() < deadline, "the decoding processes never started"
+            if list(images.glob(f"{folder.CACHE_NAME}.tmp*")):  # the pool runs once the temporary folder exists
+                with contextlib.suppress(OSError):
+                    held = _forked_children(job.pid)
+            time.sleep(0.01)
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        job.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        output = job.communicate(timeout=120)[0].decode()
+    assert job.returncode == 128 + signal.SIGTERM, output
+    assert "stopped by SIGTERM while decoding the folder; the unfinished cache was removed" in output
+    assert not list(images.glob(f"{folder.CACHE_NAME}*")) and not out.exists()
+
+
 CIFAR_JPEG = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg" / "cifar10-jpeg.tar.gz"
 
 
