@@ -10,7 +10,21 @@ from pathlib import Path
 
 import paddle
 
-from . import augment, chance, checkpoint, cpu, data, distributed, engine, folder, launch, onednn, summary, waiting
+from . import (
+    agreement,
+    augment,
+    chance,
+    checkpoint,
+    cpu,
+    data,
+    distributed,
+    engine,
+    folder,
+    launch,
+    onednn,
+    summary,
+    waiting,
+)
 from .checkpoint import CheckpointStore
 from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_problem
 from .distributed import DistEnv
@@ -213,7 +227,11 @@ def train_and_evaluate(
         log.info(onednn.activate(convolutions or onednn.prepare(cfg.conv_backend), env.device))
     except onednn.Unavailable as e:
         raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
+    # before the first collective whose shape follows the flags: ranks that differ stop here, naming the difference
+    agreement.agree(agreement.job_facts(cfg, "oneDNN" if onednn.active() else "Paddle's"), env)
     cfg, ds = _load_data(cfg, env, log, stop)
+    if env.world_size > 1:
+        agreement.agree(agreement.data_facts(cfg, ds.train.images, ds.train.labels), env)
     if problem := tta_problem(cfg):  # a folder's channels, and so whether its rule flips, are known only now
         raise ConfigError(problem)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)

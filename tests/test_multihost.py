@@ -66,9 +66,18 @@ def data_dir(tmp_path_factory):
     return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=2048, n_test=100)
 
 
-def launch(hosts, root: Path, out: Path, extra: list[str] = (), host_flag: bool = True, ifname: bool = True):
+def launch(
+    hosts,
+    root: Path,
+    out: Path,
+    extra: list[str] = (),
+    host_flag: bool = True,
+    ifname: bool = True,
+    machine_1: list[str] = (),
+):
     """The docs' command on each machine (machine 0 serves --master), started in root, which gets each machine's
-    log_dir (log0, log1) and launcher output (launcher0.txt, launcher1.txt); returns the two launchers."""
+    log_dir (log0, log1) and launcher output (launcher0.txt, launcher1.txt); returns the two launchers. machine_1:
+    flags machine 1's command adds (a command that differs between machines)."""
     root.mkdir(parents=True, exist_ok=True)
     master = hosts[0]
     jobs = []
@@ -78,6 +87,7 @@ def launch(hosts, root: Path, out: Path, extra: list[str] = (), host_flag: bool 
         cmd += ["--host", host.address] if host_flag else []
         cmd += ["--nproc_per_node", "1", "--log_dir", str(root / f"log{rank}")]
         cmd += [str(TRAIN_PY), *ARGS, *extra, "--output-dir", str(out), "--resume", "auto"]
+        cmd += list(machine_1) if rank == 1 else []
         env = dict(launch_env(), GLOO_SOCKET_IFNAME=host.interface) if ifname else launch_env()
         with open(root / f"launcher{rank}.txt", "w") as output:  # the launcher keeps its own descriptor
             jobs.append(subprocess.Popen(host.command(cmd), cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT))
@@ -239,3 +249,26 @@ def test_without_host_the_launchers_wait_for_a_master_nobody_serves(hosts, data_
     for rank in (0, 1):
         assert "master not ready" in (tmp_path / f"launcher{rank}.txt").read_text()
         assert not (tmp_path / f"log{rank}" / "workerlog.0").exists()
+
+
+@pytest.mark.parametrize(
+    "theirs,named",
+    [
+        (["--lr", "0.01"], "--lr: 0.02 on rank 0, 0.01 on rank 1"),
+        (["--batch-size", "128"], "--batch-size: 64 on rank 0, 128 on rank 1"),
+        (["--model", "mnist_cnn_bn"], "--model: 'mnist_cnn' on rank 0, 'mnist_cnn_bn' on rank 1"),
+    ],
+    ids=["lr", "batch", "model"],
+)
+def test_machines_started_with_different_flags_stop_naming_the_flag(hosts, data_dir, tmp_path, theirs, named):
+    """Machine 1's command differs by one flag: both machines stop before training, exit non-zero, and each
+    worker's log names the flag and both values in one line. Before, --lr trained apart to a "finished" run,
+    --batch-size hung in a collective and --model aborted inside gloo."""
+    jobs = launch(hosts, tmp_path, tmp_path / "o", ["--data-dir", str(data_dir)], machine_1=theirs)
+    codes = wait_all(jobs, 120)
+    assert all(code not in (None, 0) for code in codes), explain_job(codes, tmp_path)
+    for rank in (0, 1):
+        log = (tmp_path / f"log{rank}" / "workerlog.0").read_text()
+        line = next((x for x in log.splitlines() if "the ranks disagree on" in x), "")
+        assert f"error: the ranks disagree on {named}" in line, explain_job(codes, tmp_path)
+        assert "epoch 1 step" not in log and "Traceback" not in log
