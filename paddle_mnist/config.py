@@ -427,10 +427,10 @@ _FOLDER_FLAGS = {
 }
 
 
-def tta_problem(cfg: Config) -> str | None:
+def tta_problem(cfg: Config, asymmetry: float | None = None) -> str | None:
     """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does, or when a
-    folder's channels (and so its rule) are not known yet: --channels 0 before the data is loaded. The trainer
-    asks again once they are, with the channels the folder resolved to."""
+    folder's flips are not known yet (asymmetry None: before the data is loaded, its classes' mirror asymmetry is
+    not measured). The trainer asks again once it is."""
     if not cfg.tta:
         return None
     if cfg.dataset != FOLDER:
@@ -442,11 +442,12 @@ def tta_problem(cfg: Config) -> str | None:
         )
     if cfg.flip is False:
         return "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
-    if cfg.flip or not cfg.channels or augment.FOLDER_RULES[cfg.channels].flip:
+    if cfg.flip or asymmetry is None or asymmetry < augment.MIRROR_SYMMETRIC:
         return None
     return (
-        "--tta mirrors the evaluation images, but a grey folder's classes are not taken for mirror-symmetric: "
-        "add --flip if they are, or drop --tta"
+        f"--tta mirrors the evaluation images, but this folder's classes look handed (mirror asymmetry "
+        f"{asymmetry:.2f} >= {augment.MIRROR_SYMMETRIC}), so they are not flipped: add --flip if a mirror keeps "
+        "the class, or drop --tta"
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from . import atomic, data, preprocess
+from . import atomic, augment, data, preprocess
 from .config import image_size
 from .formats import DataError
 
@@ -498,7 +498,10 @@ def build(
                 _refuse_bad([(str(root / p), h) for p, h in again.items() if isinstance(h, str)], request)
             elif bad:
                 _drop_rows(tmp, plan, {path for path, h in found.items() if isinstance(h, str)})
-        mean, std = data.channel_stats(np.load(tmp / "train.npy", mmap_mode="r"))
+        decoded = np.load(tmp / "train.npy", mmap_mode="r")
+        mean, std = data.channel_stats(decoded)
+        asymmetry = augment.mirror_asymmetry(decoded, np.load(tmp / "train-labels.npy"))
+        del decoded
         size, channels = chosen
         manifest = {
             "identity": _identity(listing),
@@ -511,6 +514,7 @@ def build(
             "counts": {s: len(entries) for s, entries in kept.items()},
             "mean": mean,
             "std": std,
+            "mirror_asymmetry": asymmetry,
             "skipped": [f"{path}: {why}" for path, why in bad],
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n")
@@ -684,5 +688,9 @@ def load(listing: Listing, request: Request, cache: Path | None) -> tuple[data.D
 
     train, val = split("train"), split("val")
     test = split("test") if "test" in manifest["counts"] else val
-    ds = data.Dataset("folder", train, val, test, tuple(manifest["mean"]), tuple(manifest["std"]), listing.classes)
+    asymmetry = manifest.get("mirror_asymmetry")
+    if asymmetry is None:  # a cache built before it was measured
+        asymmetry = augment.mirror_asymmetry(train.images, train.labels)
+    mean, std = tuple(manifest["mean"]), tuple(manifest["std"])
+    ds = data.Dataset("folder", train, val, test, mean, std, listing.classes, asymmetry)
     return ds, manifest

@@ -101,7 +101,7 @@ def _stretched_text(cfg: Config, train_images: int, steps_per_epoch: int) -> str
 def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     if not cfg.augment:
         return "off"
-    return augment.describe(ds.name, ds.image_shape, cfg.shift, cfg.flip)
+    return augment.describe(ds.name, ds.image_shape, cfg.shift, cfg.flip, ds.mirror_asymmetry)
 
 
 def _choose_checkpoint(store: CheckpointStore, cfg: Config, env: DistEnv, log: logging.Logger) -> Path | None:
@@ -232,7 +232,7 @@ def train_and_evaluate(
     cfg, ds = _load_data(cfg, env, log, stop)
     if env.world_size > 1:
         agreement.agree(agreement.data_facts(cfg, ds.train.images, ds.train.labels), env)
-    if problem := tta_problem(cfg):  # a folder's channels, and so whether its rule flips, are known only now
+    if problem := tta_problem(cfg, ds.mirror_asymmetry):  # a folder's flips are measured once it is loaded
         raise ConfigError(problem)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     batches = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)

@@ -81,18 +81,17 @@ def test_flip_and_no_flip_are_a_folders_and_contradict_each_other(tmp_path):
 
 
 def test_tta_is_judged_by_the_flips_a_folder_gets(tmp_path):
-    """Before the data is loaded a folder's channels may be unknown (--channels 0): then the trainer judges --tta
-    once they are, with the channels the folder resolved to."""
+    """Before the data is loaded a folder's flips are not known (its classes' mirror asymmetry is measured when it
+    is): the trainer judges --tta again then."""
     base = ["--dataset", "folder", "--data-dir", str(tmp_path), "--tta"]
     for extra in ([], ["--flip"], ["--channels", "3"], ["--channels", "1", "--flip"]):
         assert config.parse_args([*base, *extra]).tta, extra
-    grey = (
-        "--tta mirrors the evaluation images, but a grey folder's classes are not taken for mirror-symmetric: "
-        "add --flip if they are, or drop --tta"
+    handed = (
+        "--tta mirrors the evaluation images, but this folder's classes look handed (mirror asymmetry 0.64 >= 0.3), "
+        "so they are not flipped: add --flip if a mirror keeps the class, or drop --tta"
     )
     no_flip = "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
     for extra, message in (
-        (["--channels", "1"], grey),
         (["--no-flip"], no_flip),
         (["--channels", "3", "--no-flip"], no_flip),
     ):
@@ -100,9 +99,10 @@ def test_tta_is_judged_by_the_flips_a_folder_gets(tmp_path):
             config.parse_args([*base, *extra])
         assert str(e.value) == message
     loaded = config.parse_args(base)
-    assert config.tta_problem(loaded) is None  # not known yet
-    assert config.tta_problem(dataclasses.replace(loaded, channels=3)) is None
-    assert config.tta_problem(dataclasses.replace(loaded, channels=1)) == grey
+    assert config.tta_problem(loaded) is None  # not measured yet
+    assert config.tta_problem(loaded, 0.07) is None
+    assert config.tta_problem(loaded, 0.64) == handed
+    assert config.tta_problem(config.parse_args([*base, "--flip"]), 0.64) is None
     with pytest.raises(config.ConfigError, match="mnist's classes are not mirror-symmetric"):
         config.parse_args(["--dataset", "mnist", "--tta"])
     assert config.parse_args(["--dataset", "cifar10", "--tta"]).tta

@@ -461,49 +461,70 @@ def test_shift_zero_leaves_only_flips():
 
 
 @pytest.mark.parametrize(
-    "shape, pad, flip",
+    "shape, pad",
     [
-        ((3, 32, 32), 4, True),  # CIFAR-10's own policy
-        ((3, 64, 64), 8, True),
-        ((3, 28, 28), 3, True),  # 3.5 rounded down
-        ((3, 96, 64), 8, True),  # the shorter side: the shift is the same both ways
-        ((3, 8, 8), 1, True),
-        ((3, 4, 4), 1, True),  # at least 1 px
-        ((1, 28, 28), 2, False),  # MNIST's own policy
-        ((1, 16, 16), 1, False),
-        ((1, 32, 32), 2, False),
-        ((1, 64, 64), 4, False),
-        ((1, 128, 128), 9, False),
-        ((1, 10, 10), 1, False),
+        ((3, 32, 32), 4),  # CIFAR-10's own shift
+        ((3, 64, 64), 8),
+        ((3, 28, 28), 3),  # 3.5 rounded down
+        ((3, 96, 64), 8),  # the shorter side: the shift is the same both ways
+        ((3, 8, 8), 1),
+        ((3, 4, 4), 1),  # at least 1 px
+        ((1, 28, 28), 2),  # MNIST's own shift
+        ((1, 16, 16), 1),
+        ((1, 32, 32), 2),
+        ((1, 64, 64), 4),
+        ((1, 128, 128), 9),
+        ((1, 10, 10), 1),
     ],
 )
-def test_a_folder_is_augmented_by_its_images_channels_and_size(shape, pad, flip):
-    assert augment.policy_for("folder", shape) == augment.Augment(pad=pad, flip=flip)
+def test_a_folder_shifts_by_its_channels_and_size_and_flips_by_its_measured_symmetry(shape, pad):
+    assert augment.policy_for("folder", shape, asymmetry=0.07) == augment.Augment(pad=pad, flip=True)
+    assert augment.policy_for("folder", shape, asymmetry=0.7) == augment.Augment(pad=pad, flip=False)
+    assert augment.policy_for("folder", shape) == augment.Augment(pad=pad, flip=False)  # not measured: no flips
+
+
+def test_mirror_asymmetry_tells_clothes_from_digits_on_the_shipped_datasets():
+    """Fashion-MNIST's classes look the same mirrored (measured 0.18), MNIST's digits do not (0.64): the rule flips
+    the one and not the other, as their built-in policies do."""
+    for name in ("fashion-mnist", "mnist"):
+        train = data.load_dataset(name).train
+        flips = augment.mirror_asymmetry(train.images, train.labels) < augment.MIRROR_SYMMETRIC
+        assert flips == augment.POLICIES[name].flip, name
+
+
+def test_mirror_asymmetry_of_mirror_images_and_of_handed_ones():
+    x = np.linspace(0, 255, 16)
+    handed = np.broadcast_to(x, (6, 1, 16, 16)).astype(np.uint8)  # dark left, bright right: a handedness
+    symmetric = np.concatenate([handed[..., :8], handed[..., :8][..., ::-1]], axis=-1)
+    labels = np.array([0, 0, 0, 1, 1, 1])
+    assert augment.mirror_asymmetry(symmetric, labels) == 0
+    assert augment.mirror_asymmetry(handed, labels) > 1
+    assert augment.mirror_asymmetry(np.zeros((4, 3, 8, 8), np.uint8), np.array([0, 1, 0, 1])) == 0  # flat
 
 
 def test_the_folder_rule_is_the_built_in_datasets_policies_scaled():
-    assert augment.policy_for("folder", (3, 32, 32)) == augment.POLICIES["cifar10"]
-    assert augment.policy_for("folder", (1, 28, 28)) == augment.POLICIES["mnist"]
+    assert augment.policy_for("folder", (3, 32, 32), asymmetry=0.07) == augment.POLICIES["cifar10"]
+    assert augment.policy_for("folder", (1, 28, 28), asymmetry=0.64) == augment.POLICIES["mnist"]
     assert augment.policy_for("cifar10", (3, 32, 32)) == augment.POLICIES["cifar10"]  # a built-in's is its own
 
 
 def test_shift_flip_and_no_flip_override_the_folder_rule():
     colour, grey = (3, 64, 64), (1, 64, 64)
-    assert augment.policy_for("folder", colour, flip=False) == augment.Augment(pad=8, flip=False)
-    assert augment.policy_for("folder", grey, flip=True) == augment.Augment(pad=4, flip=True)
-    assert augment.policy_for("folder", colour, shift=2) == augment.Augment(pad=2, flip=True)
+    assert augment.policy_for("folder", colour, flip=False, asymmetry=0.07) == augment.Augment(pad=8, flip=False)
+    assert augment.policy_for("folder", grey, flip=True, asymmetry=0.7) == augment.Augment(pad=4, flip=True)
+    assert augment.policy_for("folder", colour, shift=2, asymmetry=0.07) == augment.Augment(pad=2, flip=True)
     assert augment.policy_for("folder", grey, shift=0, flip=True) == augment.Augment(pad=0, flip=True)
 
 
 def test_the_start_up_line_names_the_folder_rule_and_its_overrides():
     describe = augment.describe
-    assert describe("folder", (3, 32, 32)) == (
+    assert describe("folder", (3, 32, 32), asymmetry=0.07) == (
         "random shifts of up to 4 px (1/8 of 32 px; --shift N to change) and horizontal flips "
-        "(colour folder; --no-flip if your classes are not mirror-symmetric)"
+        "(the classes look the same mirrored: mirror asymmetry 0.07 < 0.3; --no-flip if a mirror changes the class)"
     )
-    assert describe("folder", (1, 28, 28)) == (
+    assert describe("folder", (1, 28, 28), asymmetry=0.64) == (
         "random shifts of up to 2 px (1/14 of 28 px; --shift N to change), "
-        "no flips (grey folder; --flip if your classes are mirror-symmetric)"
+        "no flips (the classes look handed: mirror asymmetry 0.64 >= 0.3; --flip if a mirror keeps the class)"
     )
     assert describe("folder", (3, 48, 64)).startswith("random shifts of up to 6 px (1/8 of 48 px, the shorter side;")
     assert describe("folder", (1, 10, 10)).startswith("random shifts of up to 1 px (1/14 of 10 px, at least 1 px;")
@@ -589,13 +610,18 @@ def test_two_workers_train_on_a_cifar10_archive(tmp_path):
         assert "input wait" in text
 
 
-def write_image_folder(root, side: int, channels: int, per_class: int = 10) -> None:
-    """train/<class>/*.png: three classes of side x side noise around each class's own brightness, RGB or grey."""
+def write_image_folder(root, side: int, channels: int, handed: bool, per_class: int = 12) -> None:
+    """train/<class>/*.png: three classes of side x side pictures with a little noise, RGB or grey. Each class has
+    its own pattern across the width: the same both ways (a bright or dark middle) or, handed, a ramp from one side
+    to the other (a mirror turns it round)."""
     rng = np.random.default_rng(0)
+    x = np.abs(np.linspace(-1, 1, side)) if not handed else np.linspace(0, 1, side)
     for k, name in enumerate(("ant", "bee", "cat")):
         (root / "train" / name).mkdir(parents=True)
+        pattern = 40 + 170 * (x if k % 2 else 1 - x) ** (k + 1)
         for i in range(per_class):
-            pixels = np.clip(rng.normal(60 + 70 * k, 40, (side, side, channels)), 0, 255).astype(np.uint8)
+            noise = rng.normal(0, 8, (side, side, channels))
+            pixels = np.clip(pattern[None, :, None] + noise, 0, 255).astype(np.uint8)
             Image.fromarray(pixels.squeeze(axis=2) if channels == 1 else pixels).save(
                 root / "train" / name / f"{i}.png"
             )
@@ -605,9 +631,9 @@ FOLDER_RUN = ["--dataset", "folder", "--batch-size", "8", "--epochs", "1", "--lo
 
 
 @pytest.mark.slow
-def test_a_colour_folder_shifts_by_its_size_and_flips(tmp_path):
+def test_a_folder_whose_classes_look_the_same_mirrored_flips(tmp_path):
     """The rule as the start-up line states it, on 48 px colour PNG files; --tta is allowed, as they flip."""
-    write_image_folder(tmp_path / "photos", 48, channels=3)
+    write_image_folder(tmp_path / "photos", 48, channels=3, handed=False)
     args = [
         *FOLDER_RUN,
         "--data-dir",
@@ -621,17 +647,17 @@ def test_a_colour_folder_shifts_by_its_size_and_flips(tmp_path):
     assert proc.returncode == 0, explain(proc)
     assert (
         "augmentation random shifts of up to 6 px (1/8 of 48 px; --shift N to change) and horizontal flips "
-        "(colour folder; --no-flip if your classes are not mirror-symmetric)"
-    ) in proc.stdout
+        "(the classes look the same mirrored: mirror asymmetry 0."
+    ) in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow
-def test_tta_on_a_grey_folder_is_refused_once_its_channels_are_known(tmp_path):
-    write_image_folder(tmp_path / "scans", 20, channels=1)
+def test_tta_on_a_folder_of_handed_classes_is_refused_once_it_is_measured(tmp_path):
+    write_image_folder(tmp_path / "scans", 20, channels=1, handed=True)
     proc = run_single([*FOLDER_RUN, "--data-dir", str(tmp_path / "scans"), "--tta"], cwd=tmp_path)
     assert proc.returncode == 2, explain(proc)
-    assert "error: --tta mirrors the evaluation images, but a grey folder's classes" in proc.stdout + proc.stderr
-    assert "add --flip if they are, or drop --tta" in proc.stdout + proc.stderr
+    assert "error: --tta mirrors the evaluation images, but this folder's classes look handed" in proc.stdout
+    assert "add --flip if a mirror keeps the class, or drop --tta" in proc.stdout + proc.stderr
     assert "epoch 1" not in proc.stdout + proc.stderr  # refused before training
 
 
