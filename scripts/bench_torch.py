@@ -1,22 +1,31 @@
 """The trainer against PyTorch, side by side: the same network, data, batch, cores and world size.
 
     python -m scripts.bench_torch --torch-python /path/to/venv-with-torch/bin/python
+    python -m scripts.bench_torch --torch-python PYTHON --dataset folder --data-dir /tmp/cifar   # CIFAR-10, 3x32x32
 
-For each model (--models: mnist_cnn, the default mnist_cnn_bn_fc and minigooglenet, all on Fashion-MNIST's 28x28
-images) and each cell (1 worker x 1 thread, 1 worker x 2 threads, 2 workers x 1 thread), the two contenders take
+The images: Fashion-MNIST's 1x28x28 (--dataset fashion-mnist, the default; --models mnist_cnn, the default
+mnist_cnn_bn_fc and minigooglenet), or a class folder such as CIFAR-10's 3x32x32 (--dataset folder --data-dir DIR;
+--models cifar_cnn, mnist_cnn_bn_fc and minigooglenet). For a folder the trainer reads it as a user's run does,
+from its decoded cache (DIR/.paddle_mnist-cache/<setting>/, built here first, before any timing, when there is none
+yet), and PyTorch reads the same cache's train.npy, normalised by the same per-channel mean and std.
+
+For each model and each cell (1 worker x 1 thread, 1 worker x 2 threads, 2 workers x 1 thread) the contenders take
 turns in fresh processes, round after round, the order reversed every other round, so a slow spell of a shared
-machine falls on both:
+machine falls on all of them:
 
-    trainer  python train.py as a user runs it (under paddle.distributed.launch for 2 workers), with
-             --timing-every 0 and --no-augment (PyTorch does neither), its rate read from its log lines
-    torch    the same layers in a plain PyTorch loop (DistributedDataParallel over gloo for 2 workers, started by
-             torch.distributed.run) over batches already in memory as tensors: SGD with the trainer's momentum and
-             weight decay, cross-entropy; torch.set_num_threads(threads)
+    trainer   python train.py as a user runs it (under paddle.distributed.launch for 2 workers), with
+              --timing-every 0 and --no-augment (PyTorch does neither), its rate read from its log lines
+    torch     the same layers in a plain PyTorch loop (DistributedDataParallel over gloo for 2 workers, started by
+              torch.distributed.run) over batches already in memory as tensors: SGD with the trainer's momentum
+              and weight decay, cross-entropy; torch.set_num_threads(threads); NCHW, PyTorch's default
+    torch-cl  the same loop tuned as PyTorch's users tune it on CPUs: the model and its inputs channels_last
+              (model.to(memory_format=torch.channels_last), each batch converted likewise, outside the timing)
 
-Both run 64 images per worker a step. A contender's figure for a run is the median of its windowed rates after
-the first window (global images/s); the table gives the median over rounds and the range, the ratio
-trainer/torch of the medians, and the processor's model and vector extensions. PyTorch is not a requirement:
-point --torch-python at any Python that has torch and numpy (this file's `worker` part imports nothing else).
+All run 64 images per worker a step. A contender's figure for a run is the median of its windowed rates after the
+first window (global images/s); the table gives the median over rounds and the range, the ratios trainer/torch
+and trainer/torch-cl of the medians, the PyTorch version, and the processor's model and vector extensions.
+PyTorch is not a requirement: point --torch-python at any Python that has torch and numpy (this file's `worker`
+part imports nothing else).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -38,7 +48,15 @@ REPO = Path(__file__).resolve().parent.parent
 PER_WORKER = 64
 MOMENTUM, WEIGHT_DECAY, LR = 0.9, 5e-4, 0.01
 RATE = re.compile(r"step (\d+)/\d+ .* (\d+) img/s \(global\)")
-STEPS = {"mnist_cnn": (300, 50), "mnist_cnn_bn_fc": (300, 50), "minigooglenet": (24, 4)}  # (steps, per window)
+# (steps, per window): fewer for the slower models; every run ends inside the first epoch, also at 2 workers on
+# CIFAR-10's 45,000 training images (351 steps), since the trainer's running averages restart with each epoch
+STEPS = {"mnist_cnn": (300, 50), "mnist_cnn_bn_fc": (300, 50), "cifar_cnn": (100, 20), "minigooglenet": (24, 4)}
+MODELS = {  # --models by --dataset
+    "fashion-mnist": "mnist_cnn,mnist_cnn_bn_fc,minigooglenet",
+    "folder": "cifar_cnn,mnist_cnn_bn_fc,minigooglenet",
+}
+CONTENDERS = ("trainer", "torch", "torch-cl")
+TORCH_NAMES = {"torch": "torch", "torch-cl": "torch channels_last"}
 
 
 def processor() -> str:
@@ -71,8 +89,44 @@ def read_idx(path: Path):
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * dims).reshape(shape)
 
 
-def torch_net(name: str):
+def training_images(cache: str | None):
+    """(uint8 images N x C x H x W, int64 labels, per-channel mean, std): Fashion-MNIST's, or the training split of
+    a folder's decoded cache (paddle_mnist/folder.py) with the mean and std its manifest holds, which the trainer
+    normalises by."""
+    import numpy as np
+
+    if cache is None:
+        images = read_idx(REPO / "data" / "fashion-mnist" / "train-images-idx3-ubyte.gz")[:, None]
+        labels = read_idx(REPO / "data" / "fashion-mnist" / "train-labels-idx1-ubyte.gz")
+        return images, labels.astype(np.int64), (0.286,), (0.353,)
+    folder = Path(cache)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    images = np.load(folder / "train.npy", mmap_mode="r")
+    labels = np.load(folder / "train-labels.npy").astype(np.int64)
+    return images, labels, tuple(manifest["mean"]), tuple(manifest["std"])
+
+
+def head_scale(features: int, reference: int) -> float:
+    """paddle_mnist.models.head_scale: the flattened map is scaled before the first dense layer when it holds more
+    values than a 28x28 image's (here, at 32x32)."""
+    return math.sqrt(reference / features) if features > reference else 1.0
+
+
+def torch_net(name: str, shape: tuple[int, int, int]):
+    """The layers of paddle_mnist/models.py's `name` for images of shape (channels, height, width), as PyTorch
+    layers: the same convolutions, paddings, norms, pools, dropouts, dense layers and head scaling."""
+    import torch
     from torch import nn
+
+    channels, height, width = shape
+
+    class Scaled(nn.Module):
+        def __init__(self, factor: float):
+            super().__init__()
+            self.factor = factor
+
+        def forward(self, x):
+            return x if self.factor == 1.0 else x * self.factor
 
     if name in ("mnist_cnn", "mnist_cnn_bn_fc"):
         bn = name == "mnist_cnn_bn_fc"
@@ -82,9 +136,22 @@ def torch_net(name: str):
             norm = [nn.BatchNorm2d(20)] if bn else []
             return [conv, *norm, nn.ReLU(), nn.MaxPool2d(2, 2)]
 
-        head = [nn.Linear(980, 256), nn.ReLU(), nn.Linear(256, 10)] if bn else [nn.Linear(980, 10)]
-        return nn.Sequential(*block(1), *block(20), nn.Flatten(), *head)
-    import torch
+        features = 20 * (height // 4) * (width // 4)
+        head = [nn.Linear(features, 256), nn.ReLU(), nn.Linear(256, 10)] if bn else [nn.Linear(features, 10)]
+        scale = Scaled(head_scale(features, 20 * 7 * 7))
+        return nn.Sequential(*block(channels), *block(20), nn.Flatten(), scale, *head)
+    if name == "cifar_cnn":
+
+        def pair(cin, cout):  # Keras: the first conv pads ("same"), the second does not ("valid")
+            convs = [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(), nn.Conv2d(cout, cout, 3), nn.ReLU()]
+            return [*convs, nn.MaxPool2d(2, 2), nn.Dropout(0.25)]
+
+        features = 64 * (((height - 2) // 2 - 2) // 2) * (((width - 2) // 2 - 2) // 2)
+        head = [nn.Linear(features, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, 10)]
+        scale = Scaled(head_scale(features, 64 * 5 * 5))
+        return nn.Sequential(*pair(channels, 32), *pair(32, 64), nn.Flatten(), scale, *head)
+    if name != "minigooglenet":
+        raise SystemExit(f"no PyTorch mirror of {name}: bench_torch mirrors {', '.join(STEPS)}")
 
     def conv_module(cin, cout, k, stride=1, pad=None):
         pad = k // 2 if pad is None else pad
@@ -108,12 +175,12 @@ def torch_net(name: str):
 
     plan = [("i", 32, 32), ("i", 32, 48), ("d", 80), ("i", 112, 48), ("i", 96, 64), ("i", 80, 80), ("i", 48, 96)]
     plan += [("d", 96), ("i", 176, 160), ("i", 176, 160)]
-    layers, channels = [conv_module(1, 96, 3)], 96
+    layers, maps = [conv_module(channels, 96, 3)], 96
     for kind, *sizes in plan:
-        block = Inception(channels, *sizes) if kind == "i" else Downsample(channels, *sizes)
+        block = Inception(maps, *sizes) if kind == "i" else Downsample(maps, *sizes)
         layers.append(block)
-        channels = block.out
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(channels, 10))
+        maps = block.out
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.5), nn.Linear(maps, 10))
 
 
 def torch_worker(args) -> None:
@@ -125,15 +192,17 @@ def torch_worker(args) -> None:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1:
         tdist.init_process_group("gloo")
-    images = read_idx(REPO / "data" / "fashion-mnist" / "train-images-idx3-ubyte.gz")
-    labels = read_idx(REPO / "data" / "fashion-mnist" / "train-labels-idx1-ubyte.gz").astype(np.int64)
+    images, labels, mean, std = training_images(args.cache)
+    mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
+    layout = torch.channels_last if args.channels_last else torch.contiguous_format
     batches = []
     for k in range(8):
         lo = (k * world + rank) * PER_WORKER
-        x = (images[lo : lo + PER_WORKER, None].astype(np.float32) / 255 - 0.286) / 0.353
-        batches.append((torch.from_numpy(x), torch.from_numpy(labels[lo : lo + PER_WORKER])))
+        x = torch.from_numpy((images[lo : lo + PER_WORKER].astype(np.float32) / 255 - mean) / std)
+        batches.append((x.contiguous(memory_format=layout), torch.from_numpy(labels[lo : lo + PER_WORKER])))
     torch.manual_seed(0)
-    net = torch_net(args.model)
+    net = torch_net(args.model, tuple(images.shape[1:])).to(memory_format=layout)
     model = torch.nn.parallel.DistributedDataParallel(net) if world > 1 else net
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     marks = []
@@ -147,12 +216,26 @@ def torch_worker(args) -> None:
             marks.append(time.perf_counter())
     rates = [args.window * PER_WORKER * world / (b - a) for a, b in zip(marks, marks[1:])]
     if rank == 0:
-        Path(args.out).write_text(json.dumps(rates))
+        Path(args.out).write_text(json.dumps({"rates": rates, "version": torch.__version__}))
     if world > 1:
         tdist.destroy_process_group()
 
 
 # ---- the driver ----
+
+
+def folder_cache(data_dir: Path) -> Path:
+    """The decoded cache that `train.py --dataset folder --data-dir data_dir` reads, with the trainer's defaults:
+    found, or built now (once, from this one process), so that no contender's run pays for decoding."""
+    import logging
+
+    from paddle_mnist import config, folder
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    cfg = config.parse_args(["--dataset", "folder", "--data-dir", str(data_dir)])
+    listing = folder.list_folder(cfg.data_dir)
+    request, caches = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
+    return folder.ensure_cache(listing, request, caches, logging.getLogger("bench_torch"))
 
 
 def windowed(log: str, batch: int) -> list[float]:
@@ -162,12 +245,14 @@ def windowed(log: str, batch: int) -> list[float]:
     return [(s1 - s0) * batch / (t1 - t0) for (s0, t0), (s1, t1) in zip(points, points[1:]) if t1 > t0]
 
 
-def run_trainer(model: str, workers: int, threads: int, work: Path, env: dict) -> list[float]:
-    steps, window = STEPS[model]
+def run_trainer(
+    model: str, workers: int, threads: int, plan: tuple[int, int], data: list[str], work: Path, env: dict
+) -> list[float]:
+    steps, window = plan
     out, log_dir = work / "trainer", work / "trainer-log"
     shutil.rmtree(log_dir, ignore_errors=True)  # the launcher appends to an existing workerlog.N
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir)]
-    cmd = (launch if workers > 1 else [sys.executable]) + [str(REPO / "train.py"), "--model", model]
+    cmd = (launch if workers > 1 else [sys.executable]) + [str(REPO / "train.py"), *data, "--model", model]
     cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
     cmd += ["--log-every", str(window), "--eval-limit", "100", "--output-dir", str(out), "--overwrite"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -184,16 +269,33 @@ def run_trainer(model: str, workers: int, threads: int, work: Path, env: dict) -
     return rates
 
 
-def run_torch(python: str, model: str, workers: int, threads: int, work: Path, env: dict) -> list[float]:
-    steps, window = STEPS[model]
+def run_torch(
+    python: str,
+    model: str,
+    workers: int,
+    threads: int,
+    plan: tuple[int, int],
+    channels_last: bool,
+    cache: Path | None,
+    work: Path,
+    env: dict,
+) -> tuple[list[float], str]:
+    """The windowed rates of one PyTorch run, and PyTorch's version."""
+    steps, window = plan
     out = work / "torch.json"
     launch = [python, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), "--master_port", "29533"]
     cmd = (launch if workers > 1 else [python]) + [str(Path(__file__).resolve()), "worker", "--model", model]
     cmd += ["--threads", str(threads), "--steps", str(steps), "--window", str(window), "--out", str(out)]
+    cmd += (["--channels-last"] if channels_last else []) + (["--cache", str(cache)] if cache else [])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"PyTorch failed ({model}, {workers}x{threads}):\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    got = json.loads(out.read_text())
+    return got["rates"], got["version"]
+
+
+def spread(rates: list[float]) -> str:
+    return f"{statistics.median(rates):7.0f} ({min(rates):.0f}-{max(rates):.0f})"
 
 
 def main() -> int:
@@ -205,45 +307,76 @@ def main() -> int:
     w.add_argument("--steps", type=int, required=True)
     w.add_argument("--window", type=int, required=True)
     w.add_argument("--out", required=True)
+    w.add_argument("--channels-last", action="store_true")
+    w.add_argument("--cache", help="a folder's decoded cache (its train.npy); none: Fashion-MNIST")
     p.add_argument("--torch-python", default=sys.executable, help="a Python with torch and numpy")
-    p.add_argument("--models", default="mnist_cnn,mnist_cnn_bn_fc,minigooglenet")
+    p.add_argument(
+        "--dataset",
+        default="fashion-mnist",
+        choices=sorted(MODELS),
+        help="fashion-mnist (1x28x28) or folder: the class folder of --data-dir, e.g. CIFAR-10's JPEG copy (3x32x32)",
+    )
+    p.add_argument("--data-dir", type=Path, help="with --dataset folder: DIR/train/<class>/ (as train.py takes it)")
+    p.add_argument(
+        "--models", help="comma-separated (default: " + "; ".join(f"{k}: {v}" for k, v in MODELS.items()) + ")"
+    )
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of " + ", ".join(CONTENDERS))
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="steps a run, for every model (default, steps/window: "
+        + ", ".join(f"{k} {s}/{w}" for k, (s, w) in STEPS.items())
+        + ")",
+    )
+    p.add_argument("--window", type=int, help="steps a window, with --steps (at least 2 windows a run)")
     p.add_argument("--cells", default="1x1,1x2,2x1", help="WORKERSxTHREADS, comma-separated")
     p.add_argument("--json", type=Path, help="write the table's figures here")
     args = p.parse_args()
     if args.command == "worker":
         torch_worker(args)
         return 0
+    if (args.dataset == "folder") != (args.data_dir is not None):
+        p.error("--data-dir goes with --dataset folder, and --dataset folder needs it (e.g. --data-dir /tmp/cifar)")
+    models = (args.models or MODELS[args.dataset]).split(",")
+    contenders = args.contenders.split(",")
+    unknown = [m for m in models if m not in STEPS] + [c for c in contenders if c not in CONTENDERS]
+    if unknown:
+        p.error(f"unknown {', '.join(unknown)}: models are {', '.join(STEPS)}; contenders {', '.join(CONTENDERS)}")
+    if (args.steps is None) != (args.window is None) or (args.steps and args.steps < 2 * args.window):
+        p.error("--steps and --window go together, with at least 2 windows a run: the first is not counted")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("OMP_NUM_THREADS", None)
-    rows = []
+    data = ["--dataset", args.dataset] + (["--data-dir", str(args.data_dir)] if args.data_dir else [])
+    cache = folder_cache(args.data_dir) if args.data_dir else None
     print(f"processor: {processor()}")
+    print(f"images: {args.dataset}" + (f", the trainer's cache {cache} (PyTorch reads its train.npy)" if cache else ""))
+    rows, version = [], None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for model in args.models.split(","):
+        for model in models:
+            plan = (args.steps, args.window) if args.steps else STEPS[model]
             for workers, threads in (tuple(int(n) for n in c.split("x")) for c in args.cells.split(",")):
-                got = {"trainer": [], "torch": []}
+                got = {name: [] for name in contenders}
                 for r in range(args.rounds):
-                    order = ("trainer", "torch") if r % 2 == 0 else ("torch", "trainer")
-                    for name in order:
-                        rates = (
-                            run_trainer(model, workers, threads, work, env)
-                            if name == "trainer"
-                            else run_torch(args.torch_python, model, workers, threads, work, env)
-                        )
+                    for name in contenders if r % 2 == 0 else contenders[::-1]:
+                        if name == "trainer":
+                            rates = run_trainer(model, workers, threads, plan, data, work, env)
+                        else:
+                            cell, cl = (model, workers, threads, plan), name == "torch-cl"
+                            rates, version = run_torch(args.torch_python, *cell, cl, cache, work, env)
                         got[name].append(statistics.median(rates))
-                row = {"model": model, "workers": workers, "threads": threads, **got}
-                tm, pm = statistics.median(got["trainer"]), statistics.median(got["torch"])
-                row["ratio"] = tm / pm
-                rows.append(row)
-                print(
-                    f"{model:<16} {workers} worker(s) x {threads} thread(s): trainer {tm:7.0f} "
-                    f"({min(got['trainer']):.0f}-{max(got['trainer']):.0f}), torch {pm:7.0f} "
-                    f"({min(got['torch']):.0f}-{max(got['torch']):.0f}) images/s; trainer/torch {tm / pm:.2f}",
-                    flush=True,
-                )
+                medians = {name: statistics.median(v) for name, v in got.items()}
+                ratios = {k: medians["trainer"] / medians[k] for k in TORCH_NAMES if k in got and "trainer" in got}
+                rows.append({"model": model, "workers": workers, "threads": threads, **got, "ratios": ratios})
+                figures = ", ".join(f"{TORCH_NAMES.get(name, name)} {spread(v)}" for name, v in got.items())
+                said = "".join(f"; trainer/{k} {v:.2f}" for k, v in ratios.items())
+                print(f"{model:<16} {workers} worker(s) x {threads} thread(s): {figures} images/s{said}", flush=True)
+    if version:
+        print(f"PyTorch {version} ({args.torch_python})")
     if args.json:
-        args.json.write_text(json.dumps({"processor": processor(), "rows": rows}, indent=2) + "\n")
+        facts = {"processor": processor(), "dataset": args.dataset, "cache": str(cache) if cache else None}
+        args.json.write_text(json.dumps({**facts, "torch": version, "rows": rows}, indent=2) + "\n")
     return 0
 
 
