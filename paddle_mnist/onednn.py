@@ -19,6 +19,8 @@ package (requirements.txt).
                        and with it Paddle Inference and ONNX, always get Paddle's)
     pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x
     blocks(x)          whether MiniGoogLeNet trains on x in the blocked layout (conv_bn_relu and the others)
+    kept_plans()       how many plans the operators keep: a backward pass keeps its shape's, a few dozen per cache
+                       at most; evaluation keeps none, and no plan holds a buffer past its call
 
 --conv-backend auto (the default) uses the operator where it builds and passes the check, and Paddle's
 convolution with one logged line saying why where it does not; onednn requires it (a run that cannot have it
@@ -57,6 +59,8 @@ HEADERS_FIX = f"pip install {HEADERS_PACKAGE}==2023.2.0"
 BUILD_TIMEOUT_S = 900
 # float32 sums in another order: within 1e-4 of each value, or of the largest where values cancel to near 0
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-4
+PLAN_CACHE_CAPACITY = 64  # plans each operator keeps (PlanCache::kCapacity in csrc/onednn_common.h)
+PLAN_CACHES = 4  # the convolutions', the conv modules', the blocked max-pools' and the concatenations'
 
 # Run in a child process, so that a compiler or loader failure cannot take the trainer down with it:
 # paddle.utils.cpp_extension.load compiles with Paddle's own headers and flags, then loads the result once.
@@ -449,6 +453,12 @@ def concat_blocked(a: paddle.Tensor, b: paddle.Tensor, ops=None) -> paddle.Tenso
     """paddle.concat([a, b], axis=1) of two blocked maps, by oneDNN on every thread (Paddle's copies on one), and
     its gradient split in place from the output's."""
     return (ops or _ops).onednn_concat_blocked(a, b)
+
+
+def kept_plans(ops=None) -> int:
+    """How many plans (primitives made for one shape) the operators' caches keep, all together. Only backward
+    passes keep one, and each cache keeps at most PLAN_CACHE_CAPACITY (csrc/onednn_common.h's PlanCache)."""
+    return int((ops or _ops).onednn_kept_plans(paddle.zeros([1])).numpy()[0])
 
 
 def unblock(x: paddle.Tensor) -> paddle.Tensor:

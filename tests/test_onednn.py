@@ -437,3 +437,27 @@ def test_a_run_resumed_with_the_other_convolution_continues_from_its_checkpoint(
     assert resumed.returncode == 0, explain(resumed)
     assert "convolutions: Paddle's (--conv-backend paddle)" in resumed.stdout
     assert "resumed from" in resumed.stdout and read_results(tmp_path / "o")["steps"] == 8
+
+
+def test_evaluation_keeps_no_plans_and_training_keeps_a_bounded_number(op):
+    """A training step keeps the plans of its shapes, a second keeps no more, evaluation at another batch size
+    keeps none (its plans, with their batch-sized buffers, are freed after the call), and a cache past its capacity
+    drops its least recently used plans."""
+    paddle.seed(5)
+    for name, shape in (("cifar_cnn", (3, 32, 32)), ("minigooglenet", (3, 32, 32))):
+        net = models.build_model(name, 10, shape)
+        kept = [onednn.kept_plans()]
+        for _ in range(2):
+            F.cross_entropy(net(paddle.randn([5, *shape])), paddle.randint(0, 10, [5])).backward()  # a batch of its own
+            kept.append(onednn.kept_plans())
+        net.eval()
+        with paddle.no_grad():
+            net(paddle.randn([7, *shape]))
+        kept.append(onednn.kept_plans())
+        assert kept[1] > kept[0] and kept[1] == kept[2] == kept[3], f"{name}: plans kept {kept}"
+    capacity = onednn.PLAN_CACHE_CAPACITY
+    w = paddle.randn([2, 1, 3, 3])
+    w.stop_gradient = False
+    for batch in range(1, capacity + 11):  # shapes no other test uses
+        op.onednn_conv2d(paddle.randn([batch, 1, 5, 5]), w, 1, 0, False).sum().backward()
+        assert onednn.kept_plans() <= onednn.PLAN_CACHES * capacity

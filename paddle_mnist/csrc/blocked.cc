@@ -13,9 +13,9 @@
 //   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2)
 //
 // Paddle's concat on axis 1 joins blocked maps as it joins NCHW ones (each part holds whole blocks), and the
-// global average pool is a mean over H and W. The primitives and scratch buffers are made once per shape.
+// global average pool is a mean over H and W. The primitives of a shape are kept by its first backward pass
+// (PlanCache in onednn_common.h); the buffers a call needs are made for it.
 
-#include <map>
 #include <memory>
 #include <tuple>
 #include <utility>
@@ -97,8 +97,9 @@ ModuleShape module_shape(const std::vector<int64_t>& x, const std::vector<int64_
 
 struct ModuleBackward;
 
+// The forward primitives of one module shape, and the backward ones where it is made for training.
 struct Module {
-  explicit Module(const ModuleShape& s)
+  Module(const ModuleShape& s, bool training)
       : shape(s),
         src_user(s.blocked_src ? blocked(s.src) : paddle_mnist::nchw(s.src)),
         conv_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
@@ -112,9 +113,11 @@ struct Module {
         bn(bn_pd),
         relu_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, blocked(s.dst),
                 blocked(s.dst), 0.f),
-        relu(relu_pd) {}
+        relu(relu_pd) {
+    if (training) make_backward();
+  }
 
-  ModuleBackward& backward();
+  void make_backward();  // once ModuleBackward is defined, below
 
   ModuleShape shape;
   memory::desc src_user;
@@ -147,10 +150,10 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive(const Modul
   return weights_primitive_with(m, any(m.shape.src));
 }
 
-// The backward primitives of one module shape, made at its first backward pass: ReLU's from its output, batch
-// norm's, then the convolution's weights (and bias) and, where the input takes a gradient, its data.
+// The backward primitives of one module shape: ReLU's from its output, batch norm's, then the convolution's
+// weights (and bias) and, where the input takes a gradient, its data.
 struct ModuleBackward {
-  explicit ModuleBackward(Module& m)
+  explicit ModuleBackward(const Module& m)
       : relu_pd(cpu_engine(), dnnl::algorithm::eltwise_relu_use_dst_for_bwd, blocked(m.shape.dst),
                 blocked(m.shape.dst), blocked(m.shape.dst), 0.f, m.relu_pd),
         relu(relu_pd),
@@ -162,8 +165,6 @@ struct ModuleBackward {
         weights(weights_pd),
         weights_src(m.src_user, weights_pd.src_desc()),
         weights_diff(m.shape.weights, weights_pd.diff_weights_desc()),
-        diff_norm(blocked(m.shape.dst), cpu_engine()),
-        diff_conv(blocked(m.shape.dst), cpu_engine()),
         data_pd(cpu_engine(), dnnl::algorithm::convolution_direct,
                 m.shape.blocked_src ? m.src_user : any(m.shape.src), any(m.shape.weights), blocked(m.shape.dst),
                 m.shape.strides, m.shape.pad_left, m.shape.pad_right, m.conv_pd),
@@ -178,23 +179,19 @@ struct ModuleBackward {
   dnnl::convolution_backward_weights::primitive_desc weights_pd;
   dnnl::convolution_backward_weights weights;
   Operand weights_src, weights_diff;
-  memory diff_norm, diff_conv;  // the gradients of batch norm's output and of the convolution's
   dnnl::convolution_backward_data::primitive_desc data_pd;
   dnnl::convolution_backward_data data;
   Operand data_weights, data_src;
 };
 
-ModuleBackward& Module::backward() {
-  if (!bwd) bwd = std::make_unique<ModuleBackward>(*this);
-  return *bwd;
-}
+void Module::make_backward() { bwd = std::make_unique<ModuleBackward>(*this); }
 
-Module& module_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding, float epsilon) {
-  static std::map<ModuleShape, std::unique_ptr<Module>> modules;
+// A module shape's plan: the one kept, else a new one, kept where it is made for a backward pass.
+std::shared_ptr<const Module> module_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
+                                         float epsilon, bool training) {
+  static PlanCache<ModuleShape, Module> modules;
   const ModuleShape s = module_shape(x.shape(), w.shape(), stride, padding, epsilon);
-  auto found = modules.find(s);
-  if (found == modules.end()) found = modules.emplace(s, std::make_unique<Module>(s)).first;
-  return *found->second;
+  return modules.find_or_make(s, training, [&] { return std::make_shared<const Module>(s, training); });
 }
 
 constexpr const char* kModule = "onednn_conv_bn_relu";
@@ -218,7 +215,8 @@ std::vector<paddle::Tensor> ModuleForward(const paddle::Tensor& x, const paddle:
                                           const paddle::Tensor& gamma, const paddle::Tensor& beta, int stride,
                                           int padding, float epsilon, bool input_grad) {
   check_module(x, w, b, gamma, beta);
-  Module& m = module_for(x, w, stride, padding, epsilon);
+  const auto plan = module_for(x, w, stride, padding, epsilon, false);
+  const Module& m = *plan;
   const int64_t c = m.shape.channels();
   auto conv_out = empty(blocked_shape(m.shape.dst));
   auto out = empty(blocked_shape(m.shape.dst));
@@ -247,36 +245,41 @@ std::vector<paddle::Tensor> ModuleBackwardFn(const paddle::Tensor& x, const padd
                                              const paddle::Tensor& variance, const paddle::Tensor& grad_out,
                                              int stride, int padding, float epsilon, bool input_grad) {
   check_float(grad_out, kModule, "the output's gradient");
-  Module& m = module_for(x, w, stride, padding, epsilon);
-  ModuleBackward& p = m.backward();
+  const auto plan = module_for(x, w, stride, padding, epsilon, true);
+  const Module& m = *plan;
+  const ModuleBackward& p = *m.bwd;
   const int64_t c = m.shape.channels();
   const memory::desc dst = blocked(m.shape.dst);
   auto grad_w = empty(w.shape());
   auto grad_b = empty({c}), grad_gamma = empty({c}), grad_beta = empty({c});
+  // the gradients of batch norm's output and of the convolution's, for this call
+  memory diff_norm(dst, cpu_engine()), diff_conv(dst, cpu_engine());
   p.relu.execute(cpu_stream(),
-                 {{DNNL_ARG_DST, wrap(dst, out)}, {DNNL_ARG_DIFF_DST, wrap(dst, grad_out)}, {DNNL_ARG_DIFF_SRC, p.diff_norm}});
+                 {{DNNL_ARG_DST, wrap(dst, out)}, {DNNL_ARG_DIFF_DST, wrap(dst, grad_out)}, {DNNL_ARG_DIFF_SRC, diff_norm}});
   p.bn.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(dst, conv_out)},
                               {DNNL_ARG_MEAN, wrap(per_channel(c), mean)},
                               {DNNL_ARG_VARIANCE, wrap(per_channel(c), variance)},
-                              {DNNL_ARG_DIFF_DST, p.diff_norm},
+                              {DNNL_ARG_DIFF_DST, diff_norm},
                               {DNNL_ARG_SCALE, wrap(per_channel(c), gamma)},
-                              {DNNL_ARG_DIFF_SRC, p.diff_conv},
+                              {DNNL_ARG_DIFF_SRC, diff_conv},
                               {DNNL_ARG_DIFF_SCALE, wrap(per_channel(c), grad_gamma)},
                               {DNNL_ARG_DIFF_SHIFT, wrap(per_channel(c), grad_beta)}});
   float* grad_w_data = grad_w.data<float>();
+  memory diff_weights = p.weights_diff.output(grad_w_data);
   p.weights.execute(cpu_stream(), {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
-                                   {DNNL_ARG_DIFF_DST, p.diff_conv},
-                                   {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff.output(grad_w_data)},
+                                   {DNNL_ARG_DIFF_DST, diff_conv},
+                                   {DNNL_ARG_DIFF_WEIGHTS, diff_weights},
                                    {DNNL_ARG_DIFF_BIAS, wrap(per_channel(c), grad_b)}});
-  p.weights_diff.finish(grad_w_data);
+  p.weights_diff.finish(diff_weights, grad_w_data);
   paddle::Tensor grad_x;
   if (input_grad) {
     grad_x = empty(x.shape());
     float* grad_x_data = grad_x.data<float>();
-    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, p.diff_conv},
+    memory diff_src = p.data_src.output(grad_x_data);
+    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, diff_conv},
                                   {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
-                                  {DNNL_ARG_DIFF_SRC, p.data_src.output(grad_x_data)}});
-    p.data_src.finish(grad_x_data);
+                                  {DNNL_ARG_DIFF_SRC, diff_src}});
+    p.data_src.finish(diff_src, grad_x_data);
   } else {  // the network's input, which takes no gradient: nothing reads this
     grad_x = paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
   }
@@ -300,7 +303,7 @@ PoolShape pool_shape(const std::vector<int64_t>& x, int kernel, int stride) {
 }
 
 struct Pool {
-  explicit Pool(const PoolShape& s)
+  Pool(const PoolShape& s, bool training)
       : shape(s),
         fwd_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, blocked(s.src),
                blocked(s.dst), {s.stride, s.stride}, {s.kernel, s.kernel}, {0, 0}, {0, 0}, {0, 0}),
@@ -309,16 +312,11 @@ struct Pool {
     // output's shape
     PD_CHECK(fwd_pd.workspace_desc().get_size() == static_cast<size_t>(s.dst[0] * s.dst[1] * s.dst[2] * s.dst[3]),
              "onednn_max_pool_blocked: oneDNN's workspace is not one byte per output");
-  }
-
-  dnnl::pooling_backward& backward() {
-    if (!bwd) {
-      bwd_pd = dnnl::pooling_backward::primitive_desc(cpu_engine(), dnnl::algorithm::pooling_max, blocked(shape.src),
-                                                      blocked(shape.dst), {shape.stride, shape.stride},
-                                                      {shape.kernel, shape.kernel}, {0, 0}, {0, 0}, {0, 0}, fwd_pd);
-      bwd = std::make_unique<dnnl::pooling_backward>(bwd_pd);
-    }
-    return *bwd;
+    if (!training) return;
+    bwd_pd = dnnl::pooling_backward::primitive_desc(cpu_engine(), dnnl::algorithm::pooling_max, blocked(s.src),
+                                                    blocked(s.dst), {s.stride, s.stride}, {s.kernel, s.kernel},
+                                                    {0, 0}, {0, 0}, {0, 0}, fwd_pd);
+    bwd = std::make_unique<dnnl::pooling_backward>(bwd_pd);
   }
 
   PoolShape shape;
@@ -328,12 +326,10 @@ struct Pool {
   std::unique_ptr<dnnl::pooling_backward> bwd;
 };
 
-Pool& pool_for(const paddle::Tensor& x, int kernel, int stride) {
-  static std::map<PoolShape, std::unique_ptr<Pool>> pools;
+std::shared_ptr<const Pool> pool_for(const paddle::Tensor& x, int kernel, int stride, bool training) {
+  static PlanCache<PoolShape, Pool> pools;
   const PoolShape s = pool_shape(x.shape(), kernel, stride);
-  auto found = pools.find(s);
-  if (found == pools.end()) found = pools.emplace(s, std::make_unique<Pool>(s)).first;
-  return *found->second;
+  return pools.find_or_make(s, training, [&] { return std::make_shared<const Pool>(s, training); });
 }
 
 memory workspace(const Pool& p, const paddle::Tensor& t) {
@@ -343,7 +339,8 @@ memory workspace(const Pool& p, const paddle::Tensor& t) {
 std::vector<paddle::Tensor> PoolForward(const paddle::Tensor& x, int kernel, int stride) {
   check_map(x, "onednn_max_pool_blocked", "x");
   PD_CHECK(x.shape().size() == 5, "onednn_max_pool_blocked: x must be blocked (N, C/8, H, W, 8)");
-  Pool& p = pool_for(x, kernel, stride);
+  const auto plan = pool_for(x, kernel, stride, false);
+  const Pool& p = *plan;
   auto out = empty(blocked_shape(p.shape.dst));
   auto ws = empty(blocked_shape(p.shape.dst), paddle::DataType::UINT8);
   p.fwd.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(blocked(p.shape.src), x)},
@@ -356,9 +353,10 @@ std::vector<paddle::Tensor> PoolForward(const paddle::Tensor& x, int kernel, int
 std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::Tensor& ws,
                                          const paddle::Tensor& grad_out, int kernel, int stride) {
   check_float(grad_out, "onednn_max_pool_blocked", "the output's gradient");
-  Pool& p = pool_for(x, kernel, stride);
+  const auto plan = pool_for(x, kernel, stride, true);
+  const Pool& p = *plan;
   auto grad_x = empty(x.shape());
-  p.backward().execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, wrap(blocked(p.shape.dst), grad_out)},
+  p.bwd->execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, wrap(blocked(p.shape.dst), grad_out)},
                                       {DNNL_ARG_DIFF_SRC, wrap(blocked(p.shape.src), grad_x)},
                                       {DNNL_ARG_WORKSPACE, workspace(p, ws)}});
   cpu_stream().wait();
@@ -388,12 +386,10 @@ struct Concat {
   dnnl::reorder split_a, split_b;
 };
 
-Concat& concat_for(const paddle::Tensor& a, const paddle::Tensor& b) {
-  static std::map<std::pair<Dims, Dims>, std::unique_ptr<Concat>> concats;
+std::shared_ptr<const Concat> concat_for(const paddle::Tensor& a, const paddle::Tensor& b, bool training) {
+  static PlanCache<std::pair<Dims, Dims>, Concat> concats;
   const auto key = std::make_pair(logical(a.shape()), logical(b.shape()));
-  auto found = concats.find(key);
-  if (found == concats.end()) found = concats.emplace(key, std::make_unique<Concat>(key.first, key.second)).first;
-  return *found->second;
+  return concats.find_or_make(key, training, [&] { return std::make_shared<const Concat>(key.first, key.second); });
 }
 
 constexpr const char* kConcat = "onednn_concat_blocked";
@@ -404,7 +400,8 @@ std::vector<paddle::Tensor> ConcatForward(const paddle::Tensor& a, const paddle:
   const auto &sa = a.shape(), &sb = b.shape();
   PD_CHECK(sa.size() == 5 && sb.size() == 5 && sa[0] == sb[0] && sa[2] == sb[2] && sa[3] == sb[3], kConcat,
            ": a and b must be blocked maps of the same batch, height and width");
-  Concat& c = concat_for(a, b);
+  const auto plan = concat_for(a, b, false);
+  const Concat& c = *plan;
   auto out = empty(blocked_shape(c.out));
   c.join.execute(cpu_stream(), {{DNNL_ARG_MULTIPLE_SRC, wrap(blocked(c.a), a)},
                                 {DNNL_ARG_MULTIPLE_SRC + 1, wrap(blocked(c.b), b)},
@@ -416,7 +413,8 @@ std::vector<paddle::Tensor> ConcatForward(const paddle::Tensor& a, const paddle:
 std::vector<paddle::Tensor> ConcatBackward(const paddle::Tensor& a, const paddle::Tensor& b,
                                            const paddle::Tensor& grad_out) {
   check_float(grad_out, kConcat, "the output's gradient");
-  Concat& c = concat_for(a, b);
+  const auto plan = concat_for(a, b, true);
+  const Concat& c = *plan;
   auto grad_a = empty(a.shape()), grad_b = empty(b.shape());
   memory from_a = wrap(c.a_part, grad_out), to_a = wrap(blocked(c.a), grad_a);
   memory from_b = wrap(c.b_part, grad_out), to_b = wrap(blocked(c.b), grad_b);

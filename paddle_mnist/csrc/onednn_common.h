@@ -1,11 +1,21 @@
 // What the oneDNN operators of onednn_conv.cc and blocked.cc share: the CPU engine and stream (one each for the
-// process), plain and chosen memory descriptions, and Operand, which moves a buffer between Paddle's layout and
-// the one a primitive chose.
+// process), plain and chosen memory descriptions, Operand, which moves a buffer between Paddle's layout and the
+// one a primitive chose, and PlanCache, which keeps the primitives made for a shape.
+//
+// The contract with callers: an operator may be called from any thread. A plan holds primitives and layouts only,
+// never a buffer, so two calls may run one plan at once; the buffers a call needs are made for that call and freed
+// when it returns.
 
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 // The headers package was configured with oneDNN's experimental sparse memory, whose query function the
@@ -44,40 +54,91 @@ inline bool direct(const dnnl::primitive_desc& pd) {
 }
 
 // One operand of one primitive: Paddle's buffer in its layout (NCHW unless given), and the layout the primitive
-// chose for it. Where the two differ, a scratch buffer in the chosen layout and the reorders between the two.
+// chose for it. Where the two differ, the reorders between the two and, for each call, a scratch buffer in the
+// chosen layout that lives as long as the memory handed out (the call's arguments).
 class Operand {
  public:
   Operand(const Dims& dims, const memory::desc& chosen) : Operand(nchw(dims), chosen) {}
-  Operand(const memory::desc& user, const memory::desc& chosen) : user_(user) {
+  Operand(const memory::desc& user, const memory::desc& chosen) : user_(user), chosen_(chosen) {
     if (chosen == user_) return;
-    scratch_ = memory(chosen, cpu_engine());
     to_chosen_ = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), user_, cpu_engine(), chosen));
     to_user_ = dnnl::reorder(dnnl::reorder::primitive_desc(cpu_engine(), chosen, cpu_engine(), user_));
     reordered_ = true;
   }
 
-  // The memory the primitive reads: Paddle's buffer itself, or its copy in the chosen layout.
-  memory input(const float* data) {
+  // The memory the primitive reads: Paddle's buffer itself, or a copy in the chosen layout.
+  memory input(const float* data) const {
     memory user(user_, cpu_engine(), const_cast<float*>(data));
     if (!reordered_) return user;
-    to_chosen_.execute(cpu_stream(), user, scratch_);
-    return scratch_;
+    memory scratch(chosen_, cpu_engine());
+    to_chosen_.execute(cpu_stream(), user, scratch);
+    return scratch;
   }
 
   // The memory the primitive writes; finish() then copies it into Paddle's buffer where it is a scratch buffer.
-  memory output(float* data) { return reordered_ ? scratch_ : memory(user_, cpu_engine(), data); }
+  memory output(float* data) const {
+    return reordered_ ? memory(chosen_, cpu_engine()) : memory(user_, cpu_engine(), data);
+  }
 
-  void finish(float* data) {
+  void finish(memory written, float* data) const {
     if (!reordered_) return;
     memory user(user_, cpu_engine(), data);
-    to_user_.execute(cpu_stream(), scratch_, user);
+    to_user_.execute(cpu_stream(), written, user);
   }
 
  private:
-  memory::desc user_;
-  memory scratch_;
+  memory::desc user_, chosen_;
   dnnl::reorder to_chosen_, to_user_;
   bool reordered_ = false;
+};
+
+// How many plans the caches of all operators keep, together (what onednn_kept_plans reports).
+inline std::atomic<int64_t>& kept_plans() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+// The plans of one operator by shape, the kCapacity most recently used kept. A training step reaches the same few
+// dozen shapes every step; a plan is kept only by the caller that will use it again (a backward pass: see
+// find_or_make), so evaluation, which runs forward passes only, at whatever batch size, never adds one. Any thread
+// may call it; a plan is shared, so one dropped while another call runs it lives until that call returns.
+template <typename Key, typename Plan>
+class PlanCache {
+ public:
+  static constexpr size_t kCapacity = 64;
+
+  // The plan kept for key, else one made by make(): kept where keep is true, else the caller's alone.
+  template <typename Make>
+  std::shared_ptr<const Plan> find_or_make(const Key& key, bool keep, Make make) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto found = index_.find(key);
+      if (found != index_.end()) {
+        order_.splice(order_.begin(), order_, found->second);  // the most recently used first
+        return found->second->second;
+      }
+    }
+    std::shared_ptr<const Plan> plan = make();  // outside the lock: making one takes milliseconds
+    if (!keep) return plan;
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = index_.find(key);
+    if (found != index_.end()) return found->second->second;  // another thread kept one meanwhile
+    order_.emplace_front(key, plan);
+    index_.emplace(key, order_.begin());
+    ++kept_plans();
+    if (order_.size() > kCapacity) {
+      index_.erase(order_.back().first);
+      order_.pop_back();
+      --kept_plans();
+    }
+    return plan;
+  }
+
+ private:
+  using Entry = std::pair<Key, std::shared_ptr<const Plan>>;
+  std::mutex mutex_;
+  std::list<Entry> order_;
+  std::map<Key, typename std::list<Entry>::iterator> index_;
 };
 
 }  // namespace paddle_mnist

@@ -6,10 +6,10 @@
 // paddle_mnist/onednn.py builds this file once per machine and Paddle version against the libdnnl.so.3 that
 // Paddle's CPU wheel ships, and uses it in place of F.conv2d for training on the CPU. oneDNN picks the memory
 // layouts its kernels run fastest in (blocked by 8 or 16 channels); Paddle's NCHW buffers are reordered into them
-// and back around each call. The primitives, the reorders and the scratch buffers are made once per shape and
-// kept, so a training step only executes them.
+// and back around each call, through buffers made for the call. The primitives and the reorders of a shape are
+// kept by its first backward pass (PlanCache), so a training step only executes them; a forward pass without one
+// (evaluation) makes them for its call.
 
-#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -77,8 +77,7 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive(
   return weights_primitive_with(g, any(g.src), hint);
 }
 
-// The backward-data and backward-weights primitives of one geometry and their operands, made at its first backward
-// pass (evaluation batches never make them).
+// The backward-data and backward-weights primitives of one geometry and their operands.
 struct Backward {
   Backward(const Geometry& g, const dnnl::convolution_forward::primitive_desc& hint)
       : data_pd(cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights), any(g.dst),
@@ -103,9 +102,9 @@ struct Backward {
   bool share_diff_dst;  // both want the output's gradient in the same layout: reorder it once
 };
 
-// The forward primitive of one geometry and its operands, and the backward ones once needed.
+// The forward primitive of one geometry and its operands, and the backward ones where it is made for training.
 struct Plan {
-  explicit Plan(const Geometry& g)
+  Plan(const Geometry& g, bool training)
       : geometry(g),
         fwd_pd(g.bias ? dnnl::convolution_forward::primitive_desc(
                             cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
@@ -116,11 +115,8 @@ struct Plan {
         fwd(fwd_pd),
         fwd_src(g.src, fwd_pd.src_desc()),
         fwd_weights(g.weights, fwd_pd.weights_desc()),
-        fwd_dst(g.dst, fwd_pd.dst_desc()) {}
-
-  Backward& backward() {
-    if (!bwd) bwd = std::make_unique<Backward>(geometry, fwd_pd);
-    return *bwd;
+        fwd_dst(g.dst, fwd_pd.dst_desc()) {
+    if (training) bwd = std::make_unique<Backward>(g, fwd_pd);
   }
 
   Geometry geometry;
@@ -130,12 +126,12 @@ struct Plan {
   std::unique_ptr<Backward> bwd;
 };
 
-Plan& plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding, bool bias) {
-  static std::map<Geometry, std::unique_ptr<Plan>> plans;
+// The plan of a geometry: the one kept, else a new one, kept where it is made for a backward pass.
+std::shared_ptr<const Plan> plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
+                                     bool bias, bool training) {
+  static PlanCache<Geometry, Plan> plans;
   const Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias);
-  auto found = plans.find(g);
-  if (found == plans.end()) found = plans.emplace(g, std::make_unique<Plan>(g)).first;
-  return *found->second;
+  return plans.find_or_make(g, training, [&] { return std::make_shared<const Plan>(g, training); });
 }
 
 void check(const paddle::Tensor& t, const char* name) {
@@ -155,19 +151,21 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
                        int padding) {
   check(x, "x");
   check(w, "weight");
-  Plan& p = plan_for(x, w, stride, padding, b != nullptr);
+  const auto plan = plan_for(x, w, stride, padding, b != nullptr, false);
+  const Plan& p = *plan;
   const Dims& dst = p.geometry.dst;
   auto out = paddle::empty({dst[0], dst[1], dst[2], dst[3]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
   float* out_data = out.data<float>();
+  memory written = p.fwd_dst.output(out_data);
   std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.fwd_src.input(x.data<float>())},
                                           {DNNL_ARG_WEIGHTS, p.fwd_weights.input(w.data<float>())},
-                                          {DNNL_ARG_DST, p.fwd_dst.output(out_data)}};
+                                          {DNNL_ARG_DST, written}};
   if (b != nullptr) {
     check_bias(*b, w);
     args[DNNL_ARG_BIAS] = memory(bias_desc(p.geometry), cpu_engine(), const_cast<float*>(b->data<float>()));
   }
   p.fwd.execute(cpu_stream(), args);
-  p.fwd_dst.finish(out_data);
+  p.fwd_dst.finish(written, out_data);
   cpu_stream().wait();
   return out;
 }
@@ -176,30 +174,32 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
                                      int stride, int padding, bool input_grad, bool bias) {
   check(grad_out, "the output's gradient");
-  Plan& plan = plan_for(x, w, stride, padding, bias);
-  Backward& p = plan.backward();
+  const auto plan = plan_for(x, w, stride, padding, bias, true);
+  const Backward& p = *plan->bwd;
   auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
   float* grad_w_data = grad_w.data<float>();
   memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
+  memory diff_weights = p.weights_diff_weights.output(grad_w_data);
   std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
                                           {DNNL_ARG_DIFF_DST, diff_dst},
-                                          {DNNL_ARG_DIFF_WEIGHTS, p.weights_diff_weights.output(grad_w_data)}};
+                                          {DNNL_ARG_DIFF_WEIGHTS, diff_weights}};
   paddle::Tensor grad_b;
   if (bias) {
     grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-    args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(plan.geometry), cpu_engine(), grad_b.data<float>());
+    args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(plan->geometry), cpu_engine(), grad_b.data<float>());
   }
   p.weights.execute(cpu_stream(), args);
-  p.weights_diff_weights.finish(grad_w_data);
+  p.weights_diff_weights.finish(diff_weights, grad_w_data);
   paddle::Tensor grad_x;
   if (input_grad) {
     grad_x = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
     float* grad_x_data = grad_x.data<float>();
     if (!p.share_diff_dst) diff_dst = p.data_diff_dst.input(grad_out.data<float>());
+    memory diff_src = p.data_diff_src.output(grad_x_data);
     p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, diff_dst},
                                   {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
-                                  {DNNL_ARG_DIFF_SRC, p.data_diff_src.output(grad_x_data)}});
-    p.data_diff_src.finish(grad_x_data);
+                                  {DNNL_ARG_DIFF_SRC, diff_src}});
+    p.data_diff_src.finish(diff_src, grad_x_data);
   } else {  // the input takes no gradient (the network's first layer): nothing reads this
     grad_x = paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
   }
@@ -277,3 +277,22 @@ PD_BUILD_GRAD_OP(onednn_conv2d_bias)
     .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B")})
     .Attrs({"stride: int", "padding: int", "input_grad: bool"})
     .SetKernelFn(PD_KERNEL(ConvBiasBackward));
+
+// How many plans the operators' caches keep, all together (PlanCache): for the tests that hold them bounded. The
+// input is not read; a custom operator takes one.
+std::vector<paddle::Tensor> KeptPlans(const paddle::Tensor& unused) {
+  auto count = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  count.data<int64_t>()[0] = paddle_mnist::kept_plans().load();
+  return {count};
+}
+
+std::vector<std::vector<int64_t>> KeptPlansInferShape(const std::vector<int64_t>& unused) { return {{1}}; }
+
+std::vector<paddle::DataType> KeptPlansInferDtype(const paddle::DataType& unused) { return {paddle::DataType::INT64}; }
+
+PD_BUILD_OP(onednn_kept_plans)
+    .Inputs({"X"})
+    .Outputs({"Count"})
+    .SetKernelFn(PD_KERNEL(KeptPlans))
+    .SetInferShapeFn(PD_INFER_SHAPE(KeptPlansInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(KeptPlansInferDtype));
