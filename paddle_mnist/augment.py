@@ -29,28 +29,33 @@ POLICIES = {
 
 @dataclass(frozen=True)
 class FolderRule:
-    """How far a folder is shifted when --shift leaves it to the rule: like the built-in dataset its images resemble
-    by their channels, the shift scaled to the image's side."""
+    """How a folder is augmented when --shift and --flip/--no-flip leave it to the rule: like the built-in dataset
+    whose classes it resembles in their symmetry, the shift scaled to the image's side."""
 
-    kind: str  # "colour" or "grey", as the start-up line names the rule
     like: str  # the built-in dataset whose policy it scales
+    looks: str  # what the measure says of the classes, as the start-up line puts it
     share: int  # shifts of up to 1/share of the shorter side, rounded down, at least 1 px
+    flip: bool
 
     def shift(self, height: int, width: int) -> int:
         return max(1, min(height, width) // self.share)
 
 
-# The shares are the built-in policies' own: 4 px of CIFAR-10's 32, 2 px of MNIST's 28.
+# A folder is measured (mirror_asymmetry) when its cache is built. Classes that look the same mirrored are taken
+# for pictures of things, as CIFAR-10's are: shifts of 1/8 of the side (CIFAR-10's 4 px of 32) and flips. Classes
+# with a handedness are taken for glyphs, as MNIST's digits are: 1/14 of the side (MNIST's 2 px of 28), no flips.
+# Measured medians over the classes: CIFAR-10 (JPEG copy) 0.07, Fashion-MNIST 0.18, MNIST's digits 0.64 to 0.72
+# (16 to 128 px, grey or tinted in colour).
+MIRROR_SYMMETRIC = 0.3
 FOLDER_RULES = {
-    3: FolderRule("colour", "cifar10", share=32 // POLICIES["cifar10"].pad),
-    1: FolderRule("grey", "mnist", share=28 // POLICIES["mnist"].pad),
+    True: FolderRule("CIFAR-10", "look the same mirrored", share=32 // POLICIES["cifar10"].pad, flip=True),
+    False: FolderRule("MNIST", "look handed", share=28 // POLICIES["mnist"].pad, flip=False),
 }
 
-# Flips are measured, not guessed from the channels: a folder is flipped when its classes' mean images are close
-# to their mirror images (mirror_asymmetry below this). Measured medians over the classes: CIFAR-10 (JPEG copy)
-# 0.07, Fashion-MNIST 0.18, MNIST digits 0.64 to 0.72 (16 to 128 px, grey or tinted in colour): what a class shows
-# faces either way as often in the first two, while digits have a handedness that a mirror breaks.
-MIRROR_SYMMETRIC = 0.3
+
+def folder_rule(asymmetry: float | None) -> FolderRule:
+    """The rule a folder's measure picks; an unmeasured folder (None) is taken for glyphs: no flips."""
+    return FOLDER_RULES[asymmetry is not None and asymmetry < MIRROR_SYMMETRIC]
 
 
 def mirror_asymmetry(images: np.ndarray, labels: np.ndarray, chunk: int = 4096) -> float:
@@ -77,14 +82,14 @@ def policy_for(
     flip: bool | None = None,
     asymmetry: float | None = None,
 ) -> Augment:
-    """The policy a run's training batches get: a built-in dataset's own (POLICIES); a folder's shift from its
-    images' (channels, height, width) by FOLDER_RULES, its flips from its classes' measured mirror asymmetry
-    (none when it is not known). --shift (shift) replaces the shift, and for a folder --flip or --no-flip (flip True
-    or False; None: the rule's) decides the flips."""
+    """The policy a run's training batches get: a built-in dataset's own (POLICIES); a folder's by the rule its
+    classes' measured mirror asymmetry picks (folder_rule), scaled to its images' (channels, height, width).
+    --shift (shift) replaces the shift, and for a folder --flip or --no-flip (flip True or False; None: the
+    rule's) decides the flips."""
     if dataset == FOLDER:
-        channels, height, width = shape
-        measured = asymmetry is not None and asymmetry < MIRROR_SYMMETRIC
-        base = Augment(pad=FOLDER_RULES[channels].shift(height, width), flip=measured if flip is None else flip)
+        _, height, width = shape
+        rule = folder_rule(asymmetry)
+        base = Augment(pad=rule.shift(height, width), flip=rule.flip if flip is None else flip)
     else:
         base = POLICIES[dataset]
     return base if shift is None else dataclasses.replace(base, pad=shift)
@@ -97,38 +102,30 @@ def describe(
     flip: bool | None = None,
     asymmetry: float | None = None,
 ) -> str:
-    """The policy for the start-up line; for a folder, also where each part came from and the flag that changes it."""
+    """The policy for the start-up line; for a folder, also the rule that chose it, why, and the flags that change
+    it."""
     policy = policy_for(dataset, shape, shift, flip, asymmetry)
+    parts = ([f"random shifts of up to {policy.pad} px"] if policy.pad else ["no shifts"]) + (
+        ["horizontal flips"] if policy.flip else ["no flips"]
+    )
     if dataset != FOLDER:
-        parts = ([f"random shifts of up to {policy.pad} px"] if policy.pad else []) + (
-            ["horizontal flips"] if policy.flip else []
-        )
+        parts = [p for p in parts if p not in ("no shifts", "no flips")]
         return " and ".join(parts) or "nothing to do (no shift, and this dataset is not flipped)"
-    channels, height, width = shape
-    rule = FOLDER_RULES[channels]
+    _, height, width = shape
+    rule = folder_rule(asymmetry)
     side = f"{min(height, width)} px" + (", the shorter side" if height != width else "")
-    least = ", at least 1 px" if min(height, width) < rule.share else ""
-    if policy.pad == 0:
-        shifts = "no shifts (--shift 0)"
-    elif shift is None:
-        shifts = f"random shifts of up to {policy.pad} px (1/{rule.share} of {side}{least}; --shift N to change)"
-    else:
-        shifts = f"random shifts of up to {policy.pad} px (--shift {shift})"
-    measured = f"mirror asymmetry {asymmetry:.2f}" if asymmetry is not None else ""
-    if flip is not None:
-        flips = "horizontal flips (--flip)" if flip else "no flips (--no-flip)"
-    elif policy.flip:
-        flips = (
-            f"horizontal flips (the classes look the same mirrored: {measured} < {MIRROR_SYMMETRIC}; "
-            "--no-flip if a mirror changes the class)"
-        )
-    else:
-        flips = (
-            f"no flips (the classes look handed: {measured} >= {MIRROR_SYMMETRIC}; --flip if a mirror keeps the class)"
-            if measured
-            else "no flips (--flip if a mirror keeps the class)"
-        )
-    return f"{shifts} and {flips}" if policy.flip else f"{shifts}, {flips}"
+    why = (
+        f"the classes {rule.looks}: mirror asymmetry {asymmetry:.2f} {'<' if rule.flip else '>='} {MIRROR_SYMMETRIC}"
+        if asymmetry is not None
+        else "the classes not measured"
+    )
+    given = [f"--shift {shift}"] * (shift is not None) + [("--flip" if flip else "--no-flip")] * (flip is not None)
+    free = [
+        f for f, left in (("--shift N", shift is None), ("--no-flip" if rule.flip else "--flip", flip is None)) if left
+    ]
+    source = f"{rule.like}'s rule at {side}, {why}" + (f"; {', '.join(given)} given" if given else "")
+    change = f"; {' or '.join(free)} to change" if free else ""
+    return f"{' and '.join(parts)} ({source}{change})"
 
 
 def batch_rng(seed: int, rank: int, epoch: int, batch: int) -> np.random.Generator:

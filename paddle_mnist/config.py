@@ -442,7 +442,7 @@ def tta_problem(cfg: Config, asymmetry: float | None = None) -> str | None:
         )
     if cfg.flip is False:
         return "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
-    if cfg.flip or asymmetry is None or asymmetry < augment.MIRROR_SYMMETRIC:
+    if cfg.flip or asymmetry is None or augment.folder_rule(asymmetry).flip:
         return None
     return (
         f"--tta mirrors the evaluation images, but this folder's classes look handed (mirror asymmetry "

@@ -461,26 +461,21 @@ def test_shift_zero_leaves_only_flips():
 
 
 @pytest.mark.parametrize(
-    "shape, pad",
-    [
-        ((3, 32, 32), 4),  # CIFAR-10's own shift
-        ((3, 64, 64), 8),
-        ((3, 28, 28), 3),  # 3.5 rounded down
-        ((3, 96, 64), 8),  # the shorter side: the shift is the same both ways
-        ((3, 8, 8), 1),
-        ((3, 4, 4), 1),  # at least 1 px
-        ((1, 28, 28), 2),  # MNIST's own shift
-        ((1, 16, 16), 1),
-        ((1, 32, 32), 2),
-        ((1, 64, 64), 4),
-        ((1, 128, 128), 9),
-        ((1, 10, 10), 1),
-    ],
+    "side, pictures, glyphs",
+    [(32, 4, 2), (64, 8, 4), (28, 3, 2), (16, 2, 1), (128, 16, 9), (8, 1, 1), (4, 1, 1)],
 )
-def test_a_folder_shifts_by_its_channels_and_size_and_flips_by_its_measured_symmetry(shape, pad):
-    assert augment.policy_for("folder", shape, asymmetry=0.07) == augment.Augment(pad=pad, flip=True)
-    assert augment.policy_for("folder", shape, asymmetry=0.7) == augment.Augment(pad=pad, flip=False)
-    assert augment.policy_for("folder", shape) == augment.Augment(pad=pad, flip=False)  # not measured: no flips
+@pytest.mark.parametrize("channels", [1, 3])
+def test_a_folder_is_augmented_by_its_measured_symmetry_scaled_to_its_side(side, pictures, glyphs, channels):
+    """Classes that look the same mirrored shift by 1/8 of the side and flip, as CIFAR-10; handed ones (and an
+    unmeasured folder) by 1/14 and do not, as MNIST; rounded down, at least 1 px; the channels play no part."""
+    shape = (channels, side, side)
+    assert augment.policy_for("folder", shape, asymmetry=0.07) == augment.Augment(pad=pictures, flip=True)
+    assert augment.policy_for("folder", shape, asymmetry=0.7) == augment.Augment(pad=glyphs, flip=False)
+    assert augment.policy_for("folder", shape) == augment.Augment(pad=glyphs, flip=False)
+
+
+def test_a_rectangle_shifts_by_its_shorter_side():
+    assert augment.policy_for("folder", (3, 96, 64), asymmetry=0.07).pad == 8
 
 
 def test_mirror_asymmetry_tells_clothes_from_digits_on_the_shipped_datasets():
@@ -509,27 +504,29 @@ def test_the_folder_rule_is_the_built_in_datasets_policies_scaled():
 
 
 def test_shift_flip_and_no_flip_override_the_folder_rule():
-    colour, grey = (3, 64, 64), (1, 64, 64)
-    assert augment.policy_for("folder", colour, flip=False, asymmetry=0.07) == augment.Augment(pad=8, flip=False)
-    assert augment.policy_for("folder", grey, flip=True, asymmetry=0.7) == augment.Augment(pad=4, flip=True)
-    assert augment.policy_for("folder", colour, shift=2, asymmetry=0.07) == augment.Augment(pad=2, flip=True)
-    assert augment.policy_for("folder", grey, shift=0, flip=True) == augment.Augment(pad=0, flip=True)
+    shape, pictures, glyphs = (3, 64, 64), 0.07, 0.7
+    assert augment.policy_for("folder", shape, flip=False, asymmetry=pictures) == augment.Augment(pad=8, flip=False)
+    assert augment.policy_for("folder", shape, flip=True, asymmetry=glyphs) == augment.Augment(pad=4, flip=True)
+    assert augment.policy_for("folder", shape, shift=2, asymmetry=pictures) == augment.Augment(pad=2, flip=True)
+    assert augment.policy_for("folder", shape, shift=0, flip=True) == augment.Augment(pad=0, flip=True)
 
 
 def test_the_start_up_line_names_the_folder_rule_and_its_overrides():
     describe = augment.describe
     assert describe("folder", (3, 32, 32), asymmetry=0.07) == (
-        "random shifts of up to 4 px (1/8 of 32 px; --shift N to change) and horizontal flips "
-        "(the classes look the same mirrored: mirror asymmetry 0.07 < 0.3; --no-flip if a mirror changes the class)"
+        "random shifts of up to 4 px and horizontal flips (CIFAR-10's rule at 32 px, the classes look the same "
+        "mirrored: mirror asymmetry 0.07 < 0.3; --shift N or --no-flip to change)"
     )
     assert describe("folder", (1, 28, 28), asymmetry=0.64) == (
-        "random shifts of up to 2 px (1/14 of 28 px; --shift N to change), "
-        "no flips (the classes look handed: mirror asymmetry 0.64 >= 0.3; --flip if a mirror keeps the class)"
+        "random shifts of up to 2 px and no flips (MNIST's rule at 28 px, the classes look handed: mirror asymmetry "
+        "0.64 >= 0.3; --shift N or --flip to change)"
     )
-    assert describe("folder", (3, 48, 64)).startswith("random shifts of up to 6 px (1/8 of 48 px, the shorter side;")
-    assert describe("folder", (1, 10, 10)).startswith("random shifts of up to 1 px (1/14 of 10 px, at least 1 px;")
-    assert describe("folder", (3, 32, 32), 6, False) == "random shifts of up to 6 px (--shift 6), no flips (--no-flip)"
-    assert describe("folder", (1, 28, 28), 0, True) == "no shifts (--shift 0) and horizontal flips (--flip)"
+    assert "rule at 48 px, the shorter side," in describe("folder", (3, 48, 64), asymmetry=0.07)
+    assert describe("folder", (1, 28, 28)).endswith(
+        "(MNIST's rule at 28 px, the classes not measured; --shift N or --flip to change)"
+    )
+    assert describe("folder", (3, 32, 32), 6, False, 0.07).endswith("; --shift 6, --no-flip given)")
+    assert describe("folder", (1, 28, 28), 0, True, 0.7).startswith("no shifts and horizontal flips (MNIST's rule")
     assert describe("cifar10", (3, 32, 32)) == "random shifts of up to 4 px and horizontal flips"
 
 
@@ -646,8 +643,8 @@ def test_a_folder_whose_classes_look_the_same_mirrored_flips(tmp_path):
     proc = run_single(args, cwd=tmp_path)
     assert proc.returncode == 0, explain(proc)
     assert (
-        "augmentation random shifts of up to 6 px (1/8 of 48 px; --shift N to change) and horizontal flips "
-        "(the classes look the same mirrored: mirror asymmetry 0."
+        "augmentation random shifts of up to 6 px and horizontal flips (CIFAR-10's rule at 48 px, the classes "
+        "look the same mirrored: mirror asymmetry 0."
     ) in proc.stdout, proc.stdout
 
 
