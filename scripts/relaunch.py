@@ -36,8 +36,24 @@ def log(message: str) -> None:
     print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} relaunch: {message}", file=sys.stderr, flush=True)
 
 
+def _signal_name(number: int) -> str | None:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return None
+
+
 def describe(code: int) -> str:
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+    """An exit status as the loop logs it, naming the signal where one ended the command: a negative code (the
+    command itself killed), 128 + N (a shell's way of passing a signal on) or 256 - N (Paddle's launcher exits
+    with a worker's negative return code, which the system takes modulo 256: a worker's SIGKILL reads 247)."""
+    if code < 0:
+        return f"killed by {_signal_name(-code) or f'signal {-code}'}"
+    if 128 < code <= 128 + 64 and (name := _signal_name(code - 128)):
+        return f"exit {code} (128 + {code - 128}: {name})"
+    if 256 - 64 < code < 255 and (name := _signal_name(256 - code)):  # not 255: sys.exit(-1) gives that
+        return f"exit {code} (256 - {256 - code}: a worker ended by {name}, as Paddle's launcher reports it)"
+    return f"exit {code}"
 
 
 class Loop:

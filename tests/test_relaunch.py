@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, launch_env
 
+from scripts import relaunch
+
 pytestmark = pytest.mark.slow  # starts real processes
 
 # a command that counts its runs in a file and fails until its run number reaches the first argument
@@ -94,3 +96,19 @@ def test_no_command_is_refused_in_one_line():
         "python -m scripts.relaunch: error:"
     )
     assert "no command: put it after --" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "code,line",
+    [
+        (0, "exit 0"),
+        (2, "exit 2"),
+        (-9, "killed by SIGKILL"),
+        (143, "exit 143 (128 + 15: SIGTERM)"),
+        (247, "exit 247 (256 - 9: a worker ended by SIGKILL, as Paddle's launcher reports it)"),
+        (250, "exit 250 (256 - 6: a worker ended by SIGABRT, as Paddle's launcher reports it)"),
+        (255, "exit 255"),
+    ],
+)
+def test_an_ending_names_the_signal_behind_its_code(code, line):
+    assert relaunch.describe(code) == line
