@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, launch_env
 
-from scripts import relaunch
+from scripts.relaunch import describe
 
 pytestmark = pytest.mark.slow  # starts real processes
 
@@ -111,4 +111,4 @@ def test_no_command_is_refused_in_one_line():
     ],
 )
 def test_an_ending_names_the_signal_behind_its_code(code, line):
-    assert relaunch.describe(code) == line
+    assert describe(code) == line
