@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
+import time
 from pathlib import Path
 
 import paddle
@@ -49,6 +51,37 @@ def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Log
         raise ConfigError(problem)
     if refused:
         raise ConfigError("rank 0 refused --output-dir; its message is in workerlog.0")
+    _check_shared(cfg, env)
+
+
+SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's marker: a network file system may show a new file late
+
+
+def _check_shared(cfg: Config, env: DistEnv) -> None:
+    """Every rank sees the file rank 0 just wrote into --output-dir, or every rank stops naming those that do not:
+    rank 0 writes the checkpoints and every rank reads them on --resume, so the folder must be one on all machines
+    (an output directory on each machine's own disk failed only at the resume, with a traceback)."""
+    if env.world_size == 1:
+        return
+    host = socket.gethostname()
+    marker = Path(cfg.output_dir) / f".paddle_mnist-shared-{host}-{os.getpid()}-{time.time_ns()}"
+    if env.is_main:
+        marker.write_text("")
+    name = distributed.gather_objects(marker.name, env)[0]
+    ours, deadline = Path(cfg.output_dir) / name, time.monotonic() + SHARED_WAIT_S
+    while not ours.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    seen = distributed.gather_objects((ours.exists(), host), env)
+    if env.is_main:
+        marker.unlink(missing_ok=True)
+    blind = [f"rank {r} on {where}" for r, (sees, where) in enumerate(seen) if not sees]
+    if blind:
+        more = f" (and {len(blind) - 3} more)" if len(blind) > 3 else ""
+        raise ConfigError(
+            f"--output-dir is not shared: {', '.join(blind[:3])}{more} cannot see the file rank 0 ({seen[0][1]}) "
+            f"wrote into {cfg.output_dir} {SHARED_WAIT_S:.0f} s before; rank 0 writes the checkpoints and every rank "
+            "reads them to resume, so put --output-dir on storage every machine mounts"
+        )
 
 
 def _log_start(

@@ -272,3 +272,17 @@ def test_machines_started_with_different_flags_stop_naming_the_flag(hosts, data_
         line = next((x for x in log.splitlines() if "the ranks disagree on" in x), "")
         assert f"error: the ranks disagree on {named}" in line, explain_job(codes, tmp_path)
         assert "epoch 1 step" not in log and "Traceback" not in log
+
+
+def test_an_output_directory_that_is_not_shared_is_named_at_start(hosts, data_dir, tmp_path):
+    """Machine 1 writes to a folder of its own: both machines stop before training, naming it, instead of training
+    and failing at the first --resume."""
+    theirs = ["--output-dir", str(tmp_path / "machine-1-only")]
+    jobs = launch(hosts, tmp_path, tmp_path / "o", ["--data-dir", str(data_dir)], machine_1=theirs)
+    codes = wait_all(jobs, 120)
+    assert all(code not in (None, 0) for code in codes), explain_job(codes, tmp_path)
+    for rank in (0, 1):
+        log = (tmp_path / f"log{rank}" / "workerlog.0").read_text()
+        assert "error: --output-dir is not shared: rank 1 on " in log, explain_job(codes, tmp_path)
+        assert "epoch 1 step" not in log and "Traceback" not in log
+    assert not list((tmp_path / "o").glob(".paddle_mnist-shared-*"))  # rank 0's marker is removed
