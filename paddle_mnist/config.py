@@ -113,9 +113,7 @@ class Config:
     image_size: str = ""  # "W" or "WxH"; "": the most common size in train/ (the run records the size it used)
     channels: int = 0  # 1 or 3; 0: 1 when every training image is grey, else 3 (the run records the choice)
     val_split: float = 0.1  # share of each class of train/ held out for validation when there is no val/
-    # True (--flip): the classes are mirror-symmetric, so --augment flips and --tta is allowed; False (--no-flip):
-    # they are not; None: the folder's rule by its channels (augment.FOLDER_RULES: colour flips, grey does not)
-    flip: bool | None = None
+    flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
     skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
     classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in once the data is loaded
@@ -268,8 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tta",
         action="store_true",
         help="test-time augmentation: score every evaluation image and its mirror image and average the two outputs "
-        "(datasets whose classes are mirror-symmetric: fashion-mnist, cifar10, a colour folder unless --no-flip, "
-        "a grey folder with --flip)",
+        "(datasets whose classes are mirror-symmetric: fashion-mnist, cifar10, a folder with --flip)",
     )
     p.add_argument(
         "--target-acc",
@@ -371,16 +368,10 @@ def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
     )
     folder.add_argument(
         "--flip",
-        action="store_const",
-        const=True,
-        help="the classes are mirror-symmetric: --augment also flips training images, and --tta may be used "
-        "(None: a colour folder's images are flipped, a grey folder's are not)",
-    )
-    folder.add_argument(
-        "--no-flip",
         action="store_true",
-        help="the classes are not mirror-symmetric (text, arrows, left and right): a colour folder's training "
-        "images are not flipped, and --tta is refused",
+        help="the classes are mirror-symmetric: --augment also flips training images, and --tta may be used "
+        "(a folder's classes are not flipped unless asked; its start-up line says whether they look the same "
+        "mirrored)",
     )
     folder.add_argument(
         "--skip-bad-images",
@@ -406,7 +397,6 @@ def image_size(text: str) -> tuple[int, int] | None:
 def _check_folder_flags(cfg: Config) -> None:
     if cfg.dataset != FOLDER:
         given = [flag for flag, field in _FOLDER_FLAGS.items() if getattr(cfg, field) != getattr(Config(), field)]
-        given = ["--no-flip" if flag == "--flip" and cfg.flip is False else flag for flag in given]
         if given:
             verb = "apply" if len(given) > 1 else "applies"
             raise ConfigError(f"{', '.join(given)} {verb} to --dataset folder only: drop it or pass --dataset folder")
@@ -427,10 +417,8 @@ _FOLDER_FLAGS = {
 }
 
 
-def tta_problem(cfg: Config, asymmetry: float | None = None) -> str | None:
-    """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does, or when a
-    folder's flips are not known yet (asymmetry None: before the data is loaded, its classes' mirror asymmetry is
-    not measured). The trainer asks again once it is."""
+def tta_problem(cfg: Config) -> str | None:
+    """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does."""
     if not cfg.tta:
         return None
     if cfg.dataset != FOLDER:
@@ -440,14 +428,11 @@ def tta_problem(cfg: Config, asymmetry: float | None = None) -> str | None:
             f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
             "(a mirrored digit is another shape): drop --tta"
         )
-    if cfg.flip is False:
-        return "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
-    if cfg.flip or asymmetry is None or augment.folder_rule(asymmetry).flip:
+    if cfg.flip:
         return None
     return (
-        f"--tta mirrors the evaluation images, but this folder's classes look handed (mirror asymmetry "
-        f"{asymmetry:.2f} >= {augment.MIRROR_SYMMETRIC}), so they are not flipped: add --flip if a mirror keeps "
-        "the class, or drop --tta"
+        "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
+        "keeps the class, or drop --tta"
     )
 
 
@@ -474,10 +459,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         setattr(ns, name, getattr(RECIPES[ns.model], name))
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
-    if ns.no_flip:
-        if ns.flip:
-            raise ConfigError("--flip and --no-flip contradict each other: pass one of them")
-        ns.flip = False
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
     if cfg.resume != "no" and cfg.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: pass one of them")

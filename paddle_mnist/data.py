@@ -41,7 +41,7 @@ class Dataset:
     mean: tuple[float, ...]  # per channel, pixels scaled to [0, 1], from the whole training split
     std: tuple[float, ...]
     classes: tuple[str, ...]
-    mirror_asymmetry: float | None = None  # a folder's, measured (augment.mirror_asymmetry): it decides the flips
+    mirror_asymmetry: float | None = None  # a folder's, measured (augment.mirror_asymmetry): the start-up line's hint
 
     @property
     def val_is_test(self) -> bool:
@@ -265,11 +265,7 @@ class TrainBatches:
         self.split, self.ds, self.rank = split, ds, rank
         self.sampler = make_sampler(len(split), per_worker, rank, world_size)
         self.seed = cfg.seed
-        self.policy = (
-            augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip, ds.mirror_asymmetry)
-            if cfg.augment
-            else None
-        )
+        self.policy = augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip) if cfg.augment else None
 
     def __len__(self) -> int:
         return len(self.sampler)  # batches per epoch

@@ -28,7 +28,7 @@ from . import (
     waiting,
 )
 from .checkpoint import CheckpointStore
-from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_problem
+from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps
 from .distributed import DistEnv
 from .lock import RunLock
 from .log import memory_mb
@@ -265,8 +265,6 @@ def train_and_evaluate(
     cfg, ds = _load_data(cfg, env, log, stop)
     if env.world_size > 1:
         agreement.agree(agreement.data_facts(cfg, ds.train.images, ds.train.labels), env)
-    if problem := tta_problem(cfg, ds.mirror_asymmetry):  # a folder's flips are measured once it is loaded
-        raise ConfigError(problem)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     batches = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
     cfg = stretch_for_steps(cfg, len(batches))

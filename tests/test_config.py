@@ -64,45 +64,18 @@ def test_shift_and_label_smoothing_flags_are_checked():
         config.parse_args(["--augment", "--shift", "-1"])
 
 
-def test_flip_and_no_flip_are_a_folders_and_contradict_each_other(tmp_path):
-    base = ["--dataset", "folder", "--data-dir", str(tmp_path)]
-    assert config.parse_args(base).flip is None  # the folder's rule decides, by its channels
-    assert config.parse_args([*base, "--flip"]).flip is True
-    assert config.parse_args([*base, "--no-flip"]).flip is False
-    with pytest.raises(config.ConfigError) as e:
-        config.parse_args([*base, "--flip", "--no-flip"])
-    assert str(e.value) == "--flip and --no-flip contradict each other: pass one of them"
-    for flag in ("--flip", "--no-flip"):
-        with pytest.raises(config.ConfigError, match=f"^{flag} applies to --dataset folder only"):
-            config.parse_args(["--dataset", "cifar10", flag])
-    cfg = config.parse_args([*base, "--no-flip"])
-    (tmp_path / "c.json").write_text(cfg.to_json())
-    assert config.load_config(tmp_path / "c.json").flip is False
-
-
-def test_tta_is_judged_by_the_flips_a_folder_gets(tmp_path):
-    """Before the data is loaded a folder's flips are not known (its classes' mirror asymmetry is measured when it
-    is): the trainer judges --tta again then."""
+def test_tta_on_a_folder_needs_flip(tmp_path):
+    """--tta mirrors the evaluation images: on a folder it goes with --flip, which trains on mirrored ones."""
     base = ["--dataset", "folder", "--data-dir", str(tmp_path), "--tta"]
-    for extra in ([], ["--flip"], ["--channels", "3"], ["--channels", "1", "--flip"]):
-        assert config.parse_args([*base, *extra]).tta, extra
-    handed = (
-        "--tta mirrors the evaluation images, but this folder's classes look handed (mirror asymmetry 0.64 >= 0.3), "
-        "so they are not flipped: add --flip if a mirror keeps the class, or drop --tta"
+    assert config.parse_args([*base, "--flip"]).tta
+    with pytest.raises(config.ConfigError) as e:
+        config.parse_args(base)
+    assert str(e.value) == (
+        "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
+        "keeps the class, or drop --tta"
     )
-    no_flip = "--tta mirrors the evaluation images, and --no-flip says the classes are not mirror-symmetric: drop one"
-    for extra, message in (
-        (["--no-flip"], no_flip),
-        (["--channels", "3", "--no-flip"], no_flip),
-    ):
-        with pytest.raises(config.ConfigError) as e:
-            config.parse_args([*base, *extra])
-        assert str(e.value) == message
-    loaded = config.parse_args(base)
-    assert config.tta_problem(loaded) is None  # not measured yet
-    assert config.tta_problem(loaded, 0.07) is None
-    assert config.tta_problem(loaded, 0.64) == handed
-    assert config.tta_problem(config.parse_args([*base, "--flip"]), 0.64) is None
+    with pytest.raises(config.ConfigError, match="^--flip applies to --dataset folder only"):
+        config.parse_args(["--dataset", "cifar10", "--flip"])
     with pytest.raises(config.ConfigError, match="mnist's classes are not mirror-symmetric"):
         config.parse_args(["--dataset", "mnist", "--tta"])
     assert config.parse_args(["--dataset", "cifar10", "--tta"]).tta

@@ -521,7 +521,7 @@ def test_folder_flags(tmp_path):
         (["--image-size", "64"], "--image-size applies to --dataset folder only"),
         (["--dataset", "folder"], "--dataset folder needs --data-dir"),
         ([*base, "--val-split", "1"], "--val-split is a share"),
-        ([*base, "--no-flip", "--tta"], "--no-flip says the classes are not mirror-symmetric"),
+        ([*base, "--tta"], "add --flip if a mirror keeps the class"),
     ]:
         with pytest.raises(ConfigError, match=message):
             parse_args(argv)
