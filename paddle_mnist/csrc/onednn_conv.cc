@@ -10,7 +10,6 @@
 // kept by its first backward pass (PlanCache), so a training step only executes them; a forward pass without one
 // (evaluation) makes them for its call.
 
-#include <algorithm>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -91,7 +90,8 @@ struct Backward {
         data_diff_src(g.src, data_pd.diff_src_desc()),
         weights_src(g.src, weights_pd.src_desc()),
         weights_diff_dst(g.dst, weights_pd.diff_dst_desc()),
-        weights_diff_weights(g.weights, weights_pd.diff_weights_desc()) {}
+        weights_diff_weights(g.weights, weights_pd.diff_weights_desc()),
+        share_diff_dst(data_pd.diff_dst_desc() == weights_pd.diff_dst_desc()) {}
 
   dnnl::convolution_backward_data::primitive_desc data_pd;
   dnnl::convolution_backward_weights::primitive_desc weights_pd;
@@ -99,6 +99,7 @@ struct Backward {
   dnnl::convolution_backward_weights weights;
   Operand data_diff_dst, data_weights, data_diff_src;
   Operand weights_src, weights_diff_dst, weights_diff_weights;
+  bool share_diff_dst;  // both want the output's gradient in the same layout: reorder it once
 };
 
 // The forward primitive of one geometry and its operands, and the backward ones where it is made for training.
@@ -125,14 +126,11 @@ struct Plan {
   std::unique_ptr<Backward> bwd;
 };
 
-// The plan of a geometry: the one kept, else a new one, kept where it is made for a backward pass. images, where
-// given, replaces x's batch size (a chunk of x: see weights_gradient).
+// The plan of a geometry: the one kept, else a new one, kept where it is made for a backward pass.
 std::shared_ptr<const Plan> plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
-                                     bool bias, bool training, int64_t images = 0) {
+                                     bool bias, bool training) {
   static PlanCache<Geometry, Plan> plans;
-  std::vector<int64_t> shape = x.shape();
-  if (images > 0) shape[0] = images;
-  const Geometry g = geometry(shape, w.shape(), stride, padding, bias);
+  const Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias);
   return plans.find_or_make(g, training, [&] { return std::make_shared<const Plan>(g, training); });
 }
 
@@ -172,62 +170,33 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
   return out;
 }
 
-// The images whose weight (and bias) gradients one backward-weights call sums; weights_gradient adds the chunks'.
-// oneDNN's kernel sums a weight's gradient over its whole minibatch (every image and output position) in one
-// float32 chain, so its rounding grows with the batch, and a worker's share of a global batch and one process's
-// whole batch come out further apart than F.conv2d's do. ReLU and max-pooling turn such a difference into a
-// different step wherever a value lies that close to 0 or to its window's maximum, and the runs then part (issue 41).
-// Summed image by image in double, the gradient is within about a float32 rounding of the exact sum whatever the
-// batch, so N workers and one process differ by that rounding only. It costs no measurable time at 1 thread.
-constexpr int64_t kWeightsChunk = 1;
-
-// The weights' gradient into grad_w (Paddle's layout) and the bias's into grad_b (null: none), summed in double over
-// chunks of kWeightsChunk images, each by oneDNN's backward-weights primitive of the chunk's shape.
-void weights_gradient(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out, int stride,
-                      int padding, float* grad_w, float* grad_b) {
-  const int64_t images = x.shape()[0], x_image = x.numel() / images, dy_image = grad_out.numel() / images;
-  const int64_t w_size = w.numel(), b_size = grad_b != nullptr ? w.shape()[0] : 0;
-  std::vector<double> sum(w_size + b_size, 0.0);
-  std::vector<float> part(w_size + b_size);
-  for (int64_t first = 0; first < images; first += kWeightsChunk) {
-    const int64_t count = std::min(kWeightsChunk, images - first);
-    const auto plan = plan_for(x, w, stride, padding, grad_b != nullptr, true, count);
-    const Backward& p = *plan->bwd;
-    memory diff_weights = p.weights_diff_weights.output(part.data());
-    std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, p.weights_src.input(x.data<float>() + first * x_image)},
-        {DNNL_ARG_DIFF_DST, p.weights_diff_dst.input(grad_out.data<float>() + first * dy_image)},
-        {DNNL_ARG_DIFF_WEIGHTS, diff_weights}};
-    if (grad_b != nullptr) {
-      args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(plan->geometry), cpu_engine(), part.data() + w_size);
-    }
-    p.weights.execute(cpu_stream(), args);
-    p.weights_diff_weights.finish(diff_weights, part.data());
-    cpu_stream().wait();
-    for (int64_t i = 0; i < w_size + b_size; ++i) sum[i] += part[i];
-  }
-  for (int64_t i = 0; i < w_size; ++i) grad_w[i] = static_cast<float>(sum[i]);
-  for (int64_t i = 0; i < b_size; ++i) grad_b[i] = static_cast<float>(sum[w_size + i]);
-}
-
 // The backward pass: the input's and the weights' gradients, and the bias's where the operator has one.
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
                                      int stride, int padding, bool input_grad, bool bias) {
   check(grad_out, "the output's gradient");
-  auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  paddle::Tensor grad_b;
-  if (bias) grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  weights_gradient(x, w, grad_out, stride, padding, grad_w.data<float>(), bias ? grad_b.data<float>() : nullptr);
-  // the whole batch's plan, kept here for the forward passes that follow; its backward-data primitive computes each
-  // image's input gradient from that image's output gradient alone, so it runs on the whole batch in one call
   const auto plan = plan_for(x, w, stride, padding, bias, true);
   const Backward& p = *plan->bwd;
+  auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  float* grad_w_data = grad_w.data<float>();
+  memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
+  memory diff_weights = p.weights_diff_weights.output(grad_w_data);
+  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
+                                          {DNNL_ARG_DIFF_DST, diff_dst},
+                                          {DNNL_ARG_DIFF_WEIGHTS, diff_weights}};
+  paddle::Tensor grad_b;
+  if (bias) {
+    grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+    args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(plan->geometry), cpu_engine(), grad_b.data<float>());
+  }
+  p.weights.execute(cpu_stream(), args);
+  p.weights_diff_weights.finish(diff_weights, grad_w_data);
   paddle::Tensor grad_x;
   if (input_grad) {
     grad_x = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
     float* grad_x_data = grad_x.data<float>();
+    if (!p.share_diff_dst) diff_dst = p.data_diff_dst.input(grad_out.data<float>());
     memory diff_src = p.data_diff_src.output(grad_x_data);
-    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, p.data_diff_dst.input(grad_out.data<float>())},
+    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, diff_dst},
                                   {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
                                   {DNNL_ARG_DIFF_SRC, diff_src}});
     p.data_diff_src.finish(diff_src, grad_x_data);
