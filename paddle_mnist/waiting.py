@@ -103,7 +103,9 @@ class Meeting:
         while True:
             waiting = [r for r in ranks if not self._add("finished", r, 0)]
             if not waiting:
-                return sum(self._add("failed", r, 0) for r in ranks)
+                failed = sum(self._add("failed", r, 0) for r in ranks)
+                self._leave()
+                return failed
             if signum := self.stopped():
                 raise Preempted(
                     signum,
@@ -135,6 +137,14 @@ class Meeting:
                     f"({now - started:.0f} s so far)"
                 )
             time.sleep(POLL_S)
+
+    def _leave(self) -> None:
+        """Say this rank has read the outcome; rank 0, whose process hosts the store, waits until every rank has,
+        so that a rank that failed there and exits at once does not take the store away from one still reading."""
+        self._add("read", 0, 1)
+        deadline = time.monotonic() + QUIET_S  # a rank that died meanwhile never reads: go on without it
+        while self.env.rank == 0 and self._add("read", 0, 0) < self.env.world_size and time.monotonic() < deadline:
+            time.sleep(POLL_S / 5)
 
     def _fraction(self, rank: int) -> float:
         total = self._add("total", rank, 0)
