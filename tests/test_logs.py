@@ -383,13 +383,14 @@ def test_command_line(tmp_path, capsys):
 
 def _launchers_on_two_machines(tmp_path: Path, args: list[str]) -> list[subprocess.Popen]:
     """A job of two machines, one worker each, as two launchers on 127.0.0.1: machine N's logs in nodeN/log (each
-    starts at workerlog.0) and its launcher's output in nodeN/launcher.out."""
+    starts at workerlog.0) and its launcher's output in nodeN/launcher.out; one output directory, out/, as the
+    ranks require (they refuse one that is not shared)."""
     port, jobs = free_port(), []
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir()
         launcher = ["--nnodes", "2", "--master", f"127.0.0.1:{port}", "--rank", str(node), "--nproc_per_node", "1"]
         cmd = [sys.executable, "-m", "paddle.distributed.launch", *launcher, "--log_dir", f"node{node}/log"]
-        cmd += [str(TRAIN_PY), *args, "--output-dir", str(tmp_path / f"out{node}")]
+        cmd += [str(TRAIN_PY), *args, "--output-dir", str(tmp_path / "out")]
         with open(tmp_path / f"node{node}" / "launcher.out", "w") as out:
             jobs.append(subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=out, stderr=subprocess.STDOUT))
     return jobs
@@ -404,7 +405,7 @@ def test_the_first_to_stop_across_machines_log_directories(tmp_path, data_dir):
     jobs = _launchers_on_two_machines(tmp_path, args)
     with reaped(jobs[0]), reaped(jobs[1]):
         wait_for(jobs[1], tmp_path / "node1" / "log" / "workerlog.0", "epoch 1 step 8/32")
-        os.kill(rank_pid(tmp_path / "out1", 1), signal.SIGKILL)
+        os.kill(rank_pid(tmp_path / "out", 1), signal.SIGKILL)
         assert jobs[1].wait(timeout=120) != 0 and jobs[0].wait(timeout=120) != 0
     command = [sys.executable, "-m", "paddle_mnist.logs", "node0/log", "node1/log"]
     command += ["node0/launcher.out", "node1/launcher.out"]
