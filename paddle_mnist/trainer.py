@@ -51,16 +51,17 @@ def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Log
         raise ConfigError(problem)
     if refused:
         raise ConfigError("rank 0 refused --output-dir; its message is in workerlog.0")
-    _check_shared(cfg, env)
+    _check_shared(cfg, env, log)
 
 
 SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's marker: a network file system may show a new file late
 
 
-def _check_shared(cfg: Config, env: DistEnv) -> None:
-    """Every rank sees the file rank 0 just wrote into --output-dir, or every rank stops naming those that do not:
-    rank 0 writes the checkpoints and every rank reads them on --resume, so the folder must be one on all machines
-    (an output directory on each machine's own disk failed only at the resume, with a traceback)."""
+def _check_shared(cfg: Config, env: DistEnv, log: logging.Logger) -> None:
+    """Whether every rank sees the file rank 0 just wrote into --output-dir: rank 0 writes the checkpoints and every
+    rank reads them on --resume, so an output directory on each machine's own disk failed only at the resume, with
+    a traceback. Where some rank does not, every rank says so in one line: an error with --resume (it cannot work),
+    a warning without (training works; a resume would not)."""
     if env.world_size == 1:
         return
     host = socket.gethostname()
@@ -75,13 +76,18 @@ def _check_shared(cfg: Config, env: DistEnv) -> None:
     if env.is_main:
         marker.unlink(missing_ok=True)
     blind = [f"rank {r} on {where}" for r, (sees, where) in enumerate(seen) if not sees]
-    if blind:
-        more = f" (and {len(blind) - 3} more)" if len(blind) > 3 else ""
-        raise ConfigError(
-            f"--output-dir is not shared: {', '.join(blind[:3])}{more} cannot see the file rank 0 ({seen[0][1]}) "
-            f"wrote into {cfg.output_dir} {SHARED_WAIT_S:.0f} s before; rank 0 writes the checkpoints and every rank "
-            "reads them to resume, so put --output-dir on storage every machine mounts"
-        )
+    if not blind:
+        return
+    more = f" (and {len(blind) - 3} more)" if len(blind) > 3 else ""
+    problem = (
+        f"--output-dir is not shared: {', '.join(blind[:3])}{more} cannot see the file rank 0 ({seen[0][1]}) wrote "
+        f"into {cfg.output_dir} {SHARED_WAIT_S:.0f} s before; rank 0 writes the checkpoints and every rank reads "
+        "them to resume"
+    )
+    fix = "put --output-dir on storage every machine mounts"
+    if cfg.resume != "no":
+        raise ConfigError(f"{problem}, so --resume cannot work: {fix}")
+    log.warning(f"warning: {problem}, so a --resume of this run would fail: {fix}")
 
 
 def _log_start(

@@ -50,9 +50,9 @@ def describe(code: int) -> str:
     if code < 0:
         return f"killed by {_signal_name(-code) or f'signal {-code}'}"
     if 128 < code <= 128 + 64 and (name := _signal_name(code - 128)):
-        return f"exit {code} (128 + {code - 128}: {name})"
+        return f"exit {code} = 128 + {name}"
     if 256 - 64 < code < 255 and (name := _signal_name(256 - code)):  # not 255: sys.exit(-1) gives that
-        return f"exit {code} (256 - {256 - code}: a worker ended by {name}, as Paddle's launcher reports it)"
+        return f"exit {code} = 256 - {name}: a worker's signal, as Paddle's launcher reports it"
     return f"exit {code}"
 
 

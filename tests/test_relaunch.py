@@ -87,7 +87,7 @@ def test_a_stop_request_is_passed_on_once_and_ends_the_loop(tmp_path):
     assert loop.returncode == 143, stderr
     assert got.read_text() == "TERM ", got.read_text()
     assert "SIGTERM received: passed to the command; no further attempt" in stderr
-    assert "attempt 1 stopped on request (exit 143)" in stderr and "attempt 2" not in stderr
+    assert "attempt 1 stopped on request (exit 143 = 128 + SIGTERM)" in stderr and "attempt 2" not in stderr
 
 
 def test_no_command_is_refused_in_one_line():
@@ -104,9 +104,9 @@ def test_no_command_is_refused_in_one_line():
         (0, "exit 0"),
         (2, "exit 2"),
         (-9, "killed by SIGKILL"),
-        (143, "exit 143 (128 + 15: SIGTERM)"),
-        (247, "exit 247 (256 - 9: a worker ended by SIGKILL, as Paddle's launcher reports it)"),
-        (250, "exit 250 (256 - 6: a worker ended by SIGABRT, as Paddle's launcher reports it)"),
+        (143, "exit 143 = 128 + SIGTERM"),
+        (247, "exit 247 = 256 - SIGKILL: a worker's signal, as Paddle's launcher reports it"),
+        (250, "exit 250 = 256 - SIGABRT: a worker's signal, as Paddle's launcher reports it"),
         (255, "exit 255"),
     ],
 )
