@@ -383,8 +383,8 @@ def test_command_line(tmp_path, capsys):
 
 def _launchers_on_two_machines(tmp_path: Path, args: list[str]) -> list[subprocess.Popen]:
     """A job of two machines, one worker each, as two launchers on 127.0.0.1: machine N's logs in nodeN/log (each
-    starts at workerlog.0) and its launcher's output in nodeN/launcher.out; one output directory, out/, as the
-    ranks require (they refuse one that is not shared)."""
+    starts at workerlog.0) and its launcher's output in nodeN/launcher.out; one output directory, out/, shared as
+    a real job's is (two would draw the not-shared warning into the logs the test reads)."""
     port, jobs = free_port(), []
     for node in (0, 1):
         (tmp_path / f"node{node}").mkdir()
