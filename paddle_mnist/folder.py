@@ -393,11 +393,15 @@ def _refuse_bad(bad: list[tuple[str, str]], request: Request) -> None:
         )
 
 
+def _sizes(headers: dict, train: list[Entry]) -> collections.Counter:
+    """How many files of train/ have each (width, height)."""
+    return collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
+
+
 def _defaults(headers: dict, train: list[Entry]) -> tuple[tuple[int, int], int]:
     """The folder's own ((width, height), channels): the most common size in train/, grey when every image is."""
-    counts = collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
     grey = all(h[2] for h in headers.values())
-    return counts.most_common(1)[0][0], 1 if grey else 3
+    return _sizes(headers, train).most_common(1)[0][0], 1 if grey else 3
 
 
 def _choose(defaults: tuple, request: Request) -> tuple[tuple[int, int], int]:
@@ -405,14 +409,15 @@ def _choose(defaults: tuple, request: Request) -> tuple[tuple[int, int], int]:
     return image_size(request.image_size) or defaults[0], request.channels or defaults[1]
 
 
-def _log_choice(headers: dict, train: list[Entry], request: Request, log: logging.Logger) -> None:
+def _log_choice(defaults: tuple, headers: dict, train: list[Entry], request: Request, log: logging.Logger) -> None:
+    """Say why the folder's defaults are what they are, where the request left them to the folder."""
+    (w, h), channels = defaults
     if not request.image_size:
-        counts = collections.Counter(headers[e.path][:2] for e in train if e.path in headers)
-        (w, h), n = counts.most_common(1)[0]
-        log.info(f"image size {w}x{h}: the most common size in train/ ({n} of {sum(counts.values())})")
+        counts = _sizes(headers, train)
+        log.info(f"image size {w}x{h}: the most common size in train/ ({counts[(w, h)]} of {sum(counts.values())})")
     if not request.channels:
-        grey = all(h[2] for h in headers.values())
-        log.info(f"channels {1 if grey else 3}: " + ("every image is grey" if grey else "some images are in colour"))
+        why = "every image is grey" if channels == 1 else "some images are in colour"
+        log.info(f"channels {channels}: {why}")
 
 
 class _Progress:
@@ -490,7 +495,7 @@ def build(
             _check_every_class_trains(listing, kept["train"], len(bad))
             defaults = _defaults(headers, kept["train"])
             chosen = _choose(defaults, request)
-            _log_choice(headers, kept["train"], request, log)
+            _log_choice(defaults, headers, kept["train"], request, log)
             if chosen != guess:
                 log.info("decoding again: the sample of train/ called for another size or channel count")
                 progress = _Progress(sum(map(len, kept.values())), log, report, stopped)
