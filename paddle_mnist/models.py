@@ -184,8 +184,8 @@ def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
 class ConvModule(nn.Sequential):
     """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this).
 
-    blocked(x) is the same in training by oneDNN (onednn.conv_bn_relu), its input NCHW or blocked by 8 channels
-    and its output blocked (csrc/blocked.cc).
+    blocked(x) is the same in training by oneDNN (onednn.conv_bn_relu), its input NCHW or blocked by onednn.BLOCK
+    channels and its output blocked (csrc/blocked.cc).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
@@ -274,13 +274,13 @@ class MiniGoogLeNet(nn.Layer):
         return self.fc(self.dropout(x))
 
     def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
-        """paddle.flatten(self.pool(self.features(x)), 1) in training by oneDNN, the maps blocked by 8 channels
-        between the first conv module and the global average pool (every width here is a multiple of 8): no
+        """paddle.flatten(self.pool(self.features(x)), 1) in training by oneDNN, the maps blocked by onednn.BLOCK
+        channels between the first conv module and the global average pool (every width here is a multiple of 16): no
         reorder around each convolution, and batch norm, ReLU, the max-pools and the concatenations on every
         thread (docs/performance.md)."""
         for layer in self.features:
             x = layer.blocked(x)
-        return x.mean([2, 3]).flatten(1)  # [N, C/8, 8] -> [N, C]: channel b * 8 + i, as in NCHW
+        return x.mean([2, 3]).flatten(1)  # [N, C/B, B] -> [N, C]: channel b * B + i, as in NCHW
 
 
 class CifarCNN(nn.Layer):

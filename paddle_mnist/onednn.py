@@ -6,7 +6,7 @@ the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which add
 csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
 bit F.max_pool2d's and faster than Paddle's CPU kernel (docs/performance.md). csrc/blocked.cc runs MiniGoogLeNet's
 conv modules (convolution, batch norm, ReLU), 3x3 max-pools and concatenations on maps in oneDNN's layout blocked
-by 8 channels (conv_bn_relu, max_pool_blocked, concat_blocked). The files build into one library, linked against
+by BLOCK channels (conv_bn_relu, max_pool_blocked, concat_blocked). The files build into one library, linked against
 the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the `onednn-devel-cpu-gomp`
 package (requirements.txt).
 
@@ -47,6 +47,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
+from . import cpu
 from .datafiles import file_digest
 
 BACKENDS = ("auto", "onednn", "paddle")
@@ -61,6 +62,23 @@ BUILD_TIMEOUT_S = 900
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-4
 PLAN_CACHE_CAPACITY = 64  # plans each operator keeps (PlanCache::kCapacity in csrc/onednn_common.h)
 PLAN_CACHES = 4  # the convolutions', the conv modules', the blocked max-pools' and the concatenations'
+AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})  # what oneDNN's AVX-512 kernels need
+
+
+def channel_block(flags: set[str] | frozenset[str]) -> int:
+    """The channel block of the maps MiniGoogLeNet trains on: oneDNN's own for its convolution kernels, 16 with
+    AVX-512, else 8 (docs/performance.md measures both)."""
+    return 16 if AVX512_CORE <= flags else 8
+
+
+def _processor_flags() -> set[str]:
+    try:
+        return cpu.cpu_flags(Path("/proc/cpuinfo").read_text())[1]
+    except OSError:
+        return set()
+
+
+BLOCK = channel_block(_processor_flags())
 
 # Run in a child process, so that a compiler or loader failure cannot take the trainer down with it:
 # paddle.utils.cpp_extension.load compiles with Paddle's own headers and flags, then loads the result once.
@@ -301,18 +319,18 @@ def check_blocked(ops) -> None:
     map of odd side."""
     from paddle import nn
 
-    image, blocked_map = paddle.randn([2, 3, 9, 9]), paddle.randn([2, 2, 9, 9, 8])
+    image, blocked_map = paddle.randn([2, 3, 9, 9]), paddle.randn([2, 32 // BLOCK, 9, 9, BLOCK])
     for x, stride, padding in ((image, 1, 1), (blocked_map, 2, 0)):
         with paddle.utils.unique_name.guard():  # names of their own: the model's parameters, built later, keep theirs
-            conv, norm = nn.Conv2D(_channels(x), 16, 3, stride=stride, padding=padding), nn.BatchNorm2D(16)
+            conv, norm = nn.Conv2D(_channels(x), 32, 3, stride=stride, padding=padding), nn.BatchNorm2D(32)
         conv.geometry = {"stride": stride, "padding": padding}
-        norm.weight.set_value(paddle.rand([16]) + 0.5)
-        norm.bias.set_value(paddle.randn([16]))
+        norm.weight.set_value(paddle.rand([32]) + 0.5)
+        norm.bias.set_value(paddle.randn([32]))
         params = (conv.weight, conv.bias, norm.weight, norm.bias)
         ours = _output_and_grads(lambda: unblock(conv_bn_relu(x, conv, norm, ops)), x, *params)  # noqa: B023
         ours += [norm._mean.numpy(), norm._variance.numpy()]
-        norm._mean.set_value(paddle.zeros([16]))
-        norm._variance.set_value(paddle.ones([16]))
+        norm._mean.set_value(paddle.zeros([32]))
+        norm._variance.set_value(paddle.ones([32]))
         want = _output_and_grads(lambda: F.relu(norm(conv(unblock(x) if x.ndim == 5 else x))), x, *params)  # noqa: B023
         want += [norm._mean.numpy(), norm._variance.numpy()]
         names = ("output", "input", "weight", "bias", "scale", "shift", "running mean", "running variance")
@@ -320,7 +338,7 @@ def check_blocked(ops) -> None:
             # the convolution's bias gradient is 0 but for rounding (batch norm subtracts the mean): compared to 1
             if a.shape != e.shape or not np.allclose(a, e, rtol=CHECK_RTOL, atol=CHECK_ATOL * max(np.abs(e).max(), 1)):
                 raise Unavailable(f"its conv module's {name} differs from Paddle's layers' (stride {stride})")
-    other = paddle.randn([2, 1, 9, 9, 8])
+    other = paddle.randn([2, 1, 9, 9, BLOCK])
     got = _output_and_grads(lambda: unblock(concat_blocked(blocked_map, other, ops)), blocked_map, other)
     want = _output_and_grads(lambda: paddle.concat([unblock(blocked_map), unblock(other)], axis=1), blocked_map, other)
     if any(a.shape != e.shape or not np.array_equal(a, e) for a, e in zip(got, want)):
@@ -419,13 +437,16 @@ def max_pool2x2(x: paddle.Tensor) -> paddle.Tensor:
 
 def blocks(x: paddle.Tensor) -> bool:
     """Whether conv_bn_relu, max_pool_blocked and concat_blocked run on x: where the operators run (runs(x)).
-    MiniGoogLeNet then trains in oneDNN's layout blocked by 8 channels (csrc/blocked.cc)."""
+    MiniGoogLeNet then trains in oneDNN's layout blocked by BLOCK channels (csrc/blocked.cc)."""
     return runs(x)
 
 
 @paddle.jit.not_to_static
-def conv_bn_relu(x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None) -> paddle.Tensor:
-    """relu(norm(conv(x))) in training, by oneDNN: x NCHW or blocked [N, C/8, H, W, 8], the output blocked.
+def conv_bn_relu(
+    x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None, block: int | None = None
+) -> paddle.Tensor:
+    """relu(norm(conv(x))) in training, by oneDNN: x NCHW or blocked [N, C/B, H, W, B], the output blocked by B
+    channels: x's block where it is blocked, else `block` (BLOCK when None).
 
     The batch norm normalises by the batch's mean and biased variance, and its running averages move as Paddle's
     do: running = momentum * running + (1 - momentum) * batch. conv is a models.Conv2D (its geometry); ops, the
@@ -433,7 +454,16 @@ def conv_bn_relu(x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.Batch
     """
     stride, padding = conv.geometry["stride"], conv.geometry["padding"]
     out, _, mean, variance = (ops or _ops).onednn_conv_bn_relu(
-        x, conv.weight, conv.bias, norm.weight, norm.bias, stride, padding, norm._epsilon, not x.stop_gradient
+        x,
+        conv.weight,
+        conv.bias,
+        norm.weight,
+        norm.bias,
+        stride,
+        padding,
+        norm._epsilon,
+        not x.stop_gradient,
+        x.shape[4] if x.ndim == 5 else block or BLOCK,
     )
     with paddle.no_grad():
         m = norm._momentum
@@ -444,7 +474,7 @@ def conv_bn_relu(x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.Batch
 
 @paddle.jit.not_to_static
 def max_pool_blocked(x: paddle.Tensor, kernel: int, stride: int, ops=None) -> paddle.Tensor:
-    """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/8, H, W, 8] (no padding, floor mode), by oneDNN."""
+    """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/B, H, W, B] (no padding, floor mode), by oneDNN."""
     return (ops or _ops).onednn_max_pool_blocked(x, kernel, stride)[0]
 
 
@@ -462,7 +492,7 @@ def kept_plans(ops=None) -> int:
 
 
 def unblock(x: paddle.Tensor) -> paddle.Tensor:
-    """A blocked map [N, C/8, H, W, 8] as NCHW (for tests and checks; the network itself never needs it)."""
+    """A blocked map [N, C/B, H, W, B] as NCHW (for tests and checks; the network itself never needs it)."""
     n, cb, h, w, b = x.shape
     return x.transpose([0, 1, 4, 2, 3]).reshape([n, cb * b, h, w])
 

@@ -18,7 +18,7 @@ import paddle.nn.functional as F
 import pytest
 from helpers import explain, launch_env, make_dataset, read_results, run_single, small_run
 
-from paddle_mnist import models, onednn
+from paddle_mnist import cpu, models, onednn
 
 SMALL = small_run(eval_limit=100, batch_size=64, epochs=1, log_every=None, lr=None)
 
@@ -159,14 +159,25 @@ MODULES = [
 ]
 
 
-def blocked(x: paddle.Tensor) -> paddle.Tensor:
-    """An NCHW map (C a multiple of 8) in the layout blocked by 8 channels, [N, C/8, H, W, 8]."""
+BLOCKS = [8, 16]  # AVX2's and AVX-512's (onednn.channel_block): both are checked on any processor
+
+
+def blocked(x: paddle.Tensor, block: int) -> paddle.Tensor:
+    """An NCHW map (C a multiple of block) in the layout blocked by `block` channels, [N, C/B, H, W, B]."""
     n, c, h, w = x.shape
-    return x.reshape([n, c // 8, 8, h, w]).transpose([0, 1, 3, 4, 2])
+    return x.reshape([n, c // block, block, h, w]).transpose([0, 1, 3, 4, 2])
 
 
+def test_the_block_is_sixteen_channels_with_avx512_and_eight_without():
+    assert onednn.channel_block({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}) == 16
+    assert onednn.channel_block({"avx2", "fma", "avx512f"}) == 8  # the first AVX-512 (Knights Landing) lacks BW
+    assert onednn.channel_block({"avx2", "fma"}) == 8
+    assert onednn.BLOCK == onednn.channel_block(cpu.cpu_flags(Path("/proc/cpuinfo").read_text())[1])
+
+
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("module", MODULES, ids=[f"{m[0]}x{m[1]}-k{m[3]}s{m[4]}" for m in MODULES])
-def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module):
+def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module, block):
     """onednn_conv_bn_relu against Conv2D, BatchNorm2D and ReLU in training: the output, the gradients of the
     input, the weights, the scale and the shift, and the running statistics after the step."""
     cin, side, cout, kernel, stride, padding, blocked_input = module
@@ -182,7 +193,9 @@ def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module):
         norm._mean.set_value(paddle.zeros([cout]))
         norm._variance.set_value(paddle.ones([cout]))
         if ours:
-            run = lambda x, *_: onednn.unblock(onednn.conv_bn_relu(blocked(x) if blocked_input else x, conv, norm))  # noqa: E731
+            run = lambda x, *_: onednn.unblock(  # noqa: E731
+                onednn.conv_bn_relu(blocked(x, block) if blocked_input else x, conv, norm, block=block)
+            )
         else:
             run = lambda x, *_: F.relu(norm(F.conv2d(x, conv.weight, conv.bias, stride, padding)))  # noqa: E731
         results.append(output_and_grads(run, x, *params) + [norm._mean.numpy(), norm._variance.numpy()])
@@ -192,24 +205,40 @@ def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("side", [28, 32, 13, 15])
-def test_the_blocked_max_pool_gives_paddles_numbers(op, side):
+def test_the_blocked_max_pool_gives_paddles_numbers(op, side, block):
     """onednn_max_pool_blocked against F.max_pool2d, 3x3 of stride 2 (the downsample modules'), output and input
     gradient (overlapping windows add up in another order: equal to rounding)."""
     x = paddle.randn([4, 16, side, side])
-    ours = output_and_grads(lambda x: onednn.unblock(onednn.max_pool_blocked(blocked(x), 3, 2)), x)
+    ours = output_and_grads(lambda x: onednn.unblock(onednn.max_pool_blocked(blocked(x, block), 3, 2)), x)
+    assert onednn.max_pool_blocked(blocked(x, block), 3, 2).shape[4] == block
     paddles = output_and_grads(lambda x: F.max_pool2d(x, 3, 2), x)
     np.testing.assert_array_equal(ours[0], paddles[0])
     np.testing.assert_allclose(ours[1], paddles[1], rtol=1e-6, atol=1e-6)
 
 
-def test_the_blocked_concatenation_gives_paddles_numbers_to_the_bit(op):
+@pytest.mark.parametrize("block", BLOCKS)
+def test_the_blocked_concatenation_gives_paddles_numbers_to_the_bit(op, block):
     """onednn_concat_blocked against paddle.concat on channels: a copy both ways, so equal to the bit."""
     a, b = paddle.randn([4, 96, 13, 13]), paddle.randn([4, 48, 13, 13])
-    ours = output_and_grads(lambda a, b: onednn.unblock(onednn.concat_blocked(blocked(a), blocked(b))), a, b)
+    join = lambda a, b: onednn.unblock(onednn.concat_blocked(blocked(a, block), blocked(b, block)))  # noqa: E731
+    ours = output_and_grads(join, a, b)
     paddles = output_and_grads(lambda a, b: paddle.concat([a, b], axis=1), a, b)
     for name, x, y in zip(("output", "first gradient", "second gradient"), ours, paddles):
         np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+def test_maps_of_different_blocks_are_refused_in_one_line(op):
+    a, b = paddle.randn([2, 32, 5, 5]), paddle.randn([2, 16, 5, 5])
+    with pytest.raises(OSError, match="same batch, height, width and block"):
+        onednn.concat_blocked(blocked(a, 16), blocked(b, 8))
+    conv, norm = models.Conv2D(32, 16, 1), paddle.nn.BatchNorm2D(16)
+    with pytest.raises(OSError, match="x is blocked by 8 channels, the output would be by 16"):
+        op.onednn_conv_bn_relu(blocked(a, 8), conv.weight, conv.bias, norm.weight, norm.bias, 1, 0, 1e-5, True, 16)
+    narrow, few = models.Conv2D(32, 8, 1), paddle.nn.BatchNorm2D(8)
+    with pytest.raises(OSError, match="output channels \\(8\\) must be a multiple of the block, 16"):
+        op.onednn_conv_bn_relu(a, narrow.weight, narrow.bias, few.weight, few.bias, 1, 0, 1e-5, True, 16)
 
 
 class UnbiasedVariance:

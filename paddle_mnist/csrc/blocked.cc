@@ -1,20 +1,22 @@
 // MiniGoogLeNet's training step in oneDNN's channel-blocked layout: Paddle custom operators with their gradient
 // operators, built with the convolutions of onednn_conv.cc (paddle_mnist/onednn.py).
 //
-// oneDNN's convolution kernels run on maps blocked by 8 channels (aBcd8b: N, C/8, H, W, 8), and Paddle's tensors
-// are NCHW, so each call of onednn_conv2d reorders its input, output and their gradients to and fro: 16% of
-// MiniGoogLeNet's step at 2 threads. Its batch norms and ReLUs, about as much again, run in Paddle on one thread.
-// Here the maps stay blocked from the first convolution to the global average pool, as 5-D Paddle tensors
-// [N, C/8, H, W, 8] whose plain layout is that blocked one (every width in MiniGoogLeNet is a multiple of 8):
+// oneDNN's convolution kernels run on maps blocked by channels: by 8 with AVX2 (aBcd8b: N, C/8, H, W, 8), by 16
+// with AVX-512 (aBcd16b). Paddle's tensors are NCHW, so onednn_conv2d reorders its input, output and their
+// gradients at every call, and batch norm and ReLU run in Paddle on one thread. Here the maps stay blocked from the
+// first convolution to the global average pool, as 5-D Paddle tensors [N, C/B, H, W, B] whose plain layout is the
+// blocked one, B being 8 or 16 (every width in MiniGoogLeNet is a multiple of 16). The first conv module's `block`
+// attribute sets B; the other operators read it from their input. docs/performance.md has the measurements.
 //
-//   onednn_conv_bn_relu   conv module: convolution (with its bias), batch norm on the batch's statistics, ReLU,
-//                         all by oneDNN on every thread; the input NCHW (the first module) or blocked, the output
-//                         blocked, with the batch's mean and biased variance for the running averages
+//   onednn_conv_bn_relu       conv module: convolution (with its bias), batch norm on the batch's statistics,
+//                             ReLU, all by oneDNN on every thread; the input NCHW (the first module) or blocked,
+//                             the output blocked, with the batch's mean and biased variance for the running averages
 //   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2)
+//   onednn_concat_blocked     two blocked maps joined on channels (each part holds whole blocks); its gradient is
+//                             split in place from the output's
 //
-// Paddle's concat on axis 1 joins blocked maps as it joins NCHW ones (each part holds whole blocks), and the
-// global average pool is a mean over H and W. The primitives of a shape are kept by its first backward pass
-// (PlanCache in onednn_common.h); the buffers a call needs are made for it.
+// The global average pool is a mean over H and W (in Paddle). The primitives of a shape are kept by its first
+// backward pass (PlanCache in onednn_common.h); the buffers a call needs are made for it.
 
 #include <memory>
 #include <tuple>
@@ -29,20 +31,22 @@ namespace {
 
 using namespace paddle_mnist;  // NOLINT: the shared helpers of onednn_common.h
 
-constexpr int64_t kBlock = 8;
-
-memory::desc blocked(const Dims& dims) {
-  return memory::desc(dims, memory::data_type::f32, memory::format_tag::aBcd8b);
+// A map of NCHW dims blocked by `block` channels (8 or 16: check_map and check_block refuse others).
+memory::desc blocked(const Dims& dims, int64_t block) {
+  return memory::desc(dims, memory::data_type::f32,
+                      block == 16 ? memory::format_tag::aBcd16b : memory::format_tag::aBcd8b);
 }
 memory::desc per_channel(int64_t c) { return memory::desc({c}, memory::data_type::f32, memory::format_tag::a); }
 
-// The NCHW dims of a tensor: itself where it has 4 dimensions, [N, C/8 * 8, H, W] for a blocked one.
+// The NCHW dims of a tensor: itself where it has 4 dimensions, [N, C/B * B, H, W] for a blocked one.
 Dims logical(const std::vector<int64_t>& shape) {
   if (shape.size() == 5) return {shape[0], shape[1] * shape[4], shape[2], shape[3]};
   return {shape[0], shape[1], shape[2], shape[3]};
 }
 
-std::vector<int64_t> blocked_shape(const Dims& d) { return {d[0], d[1] / kBlock, d[2], d[3], kBlock}; }
+std::vector<int64_t> blocked_shape(const Dims& d, int64_t block) { return {d[0], d[1] / block, d[2], d[3], block}; }
+
+bool valid_block(int64_t block) { return block == 8 || block == 16; }
 
 void check_float(const paddle::Tensor& t, const char* op, const char* name) {
   PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::FLOAT32, op, ": ", name, " must be float32 on the CPU");
@@ -51,8 +55,8 @@ void check_float(const paddle::Tensor& t, const char* op, const char* name) {
 void check_map(const paddle::Tensor& t, const char* op, const char* name) {
   check_float(t, op, name);
   const auto& s = t.shape();
-  PD_CHECK(s.size() == 4 || (s.size() == 5 && s[4] == kBlock), op, ": ", name, " must be NCHW or blocked by ",
-           kBlock, " channels (N, C/8, H, W, 8)");
+  PD_CHECK(s.size() == 4 || (s.size() == 5 && valid_block(s[4])), op, ": ", name,
+           " must be NCHW or blocked by 8 or 16 channels (N, C/B, H, W, B)");
 }
 
 paddle::Tensor empty(const std::vector<int64_t>& shape, paddle::DataType type = paddle::DataType::FLOAT32) {
@@ -69,15 +73,16 @@ struct ModuleShape {
   Dims src, weights, dst, strides, pad_left, pad_right;
   bool blocked_src;
   float epsilon;
+  int64_t block;  // of the output, and of the input where it is blocked
   bool operator<(const ModuleShape& o) const {
-    return std::tie(src, weights, dst, strides, pad_left, pad_right, blocked_src, epsilon) <
-           std::tie(o.src, o.weights, o.dst, o.strides, o.pad_left, o.pad_right, o.blocked_src, o.epsilon);
+    return std::tie(src, weights, dst, strides, pad_left, pad_right, blocked_src, epsilon, block) <
+           std::tie(o.src, o.weights, o.dst, o.strides, o.pad_left, o.pad_right, o.blocked_src, o.epsilon, o.block);
   }
   int64_t channels() const { return weights[0]; }
 };
 
 ModuleShape module_shape(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
-                         float epsilon) {
+                         float epsilon, int block) {
   const Dims src = logical(x);
   const int64_t out_h = (src[2] + 2 * padding - w[2]) / stride + 1;
   const int64_t out_w = (src[3] + 2 * padding - w[3]) / stride + 1;
@@ -92,7 +97,8 @@ ModuleShape module_shape(const std::vector<int64_t>& x, const std::vector<int64_
           {padding, padding},
           {right_h, right_w},
           x.size() == 5,
-          epsilon};
+          epsilon,
+          block};
 }
 
 struct ModuleBackward;
@@ -101,18 +107,18 @@ struct ModuleBackward;
 struct Module {
   Module(const ModuleShape& s, bool training)
       : shape(s),
-        src_user(s.blocked_src ? blocked(s.src) : paddle_mnist::nchw(s.src)),
+        dst(blocked(s.dst, s.block)),
+        src_user(s.blocked_src ? blocked(s.src, s.block) : paddle_mnist::nchw(s.src)),
         conv_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
-                s.blocked_src ? src_user : any(s.src), any(s.weights), per_channel(s.channels()), blocked(s.dst),
-                s.strides, s.pad_left, s.pad_right),
+                s.blocked_src ? src_user : any(s.src), any(s.weights), per_channel(s.channels()), dst, s.strides,
+                s.pad_left, s.pad_right),
         conv(conv_pd),
         conv_src(src_user, conv_pd.src_desc()),
         conv_weights(s.weights, conv_pd.weights_desc()),
-        bn_pd(cpu_engine(), dnnl::prop_kind::forward_training, blocked(s.dst), blocked(s.dst), s.epsilon,
+        bn_pd(cpu_engine(), dnnl::prop_kind::forward_training, dst, dst, s.epsilon,
               dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift),
         bn(bn_pd),
-        relu_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, blocked(s.dst),
-                blocked(s.dst), 0.f),
+        relu_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, dst, dst, 0.f),
         relu(relu_pd) {
     if (training) make_backward();
   }
@@ -120,7 +126,7 @@ struct Module {
   void make_backward();  // once ModuleBackward is defined, below
 
   ModuleShape shape;
-  memory::desc src_user;
+  memory::desc dst, src_user;
   dnnl::convolution_forward::primitive_desc conv_pd;
   dnnl::convolution_forward conv;
   Operand conv_src, conv_weights;
@@ -135,7 +141,7 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive_with(const 
   const ModuleShape& s = m.shape;
   return dnnl::convolution_backward_weights::primitive_desc(
       cpu_engine(), dnnl::algorithm::convolution_direct, src, any(s.weights), per_channel(s.channels()),
-      blocked(s.dst), s.strides, s.pad_left, s.pad_right, m.conv_pd);
+      m.dst, s.strides, s.pad_left, s.pad_right, m.conv_pd);
 }
 
 // The weights' backward primitive, reading the input in the layout the forward pass read it in where a direct
@@ -154,11 +160,9 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive(const Modul
 // weights (and bias) and, where the input takes a gradient, its data.
 struct ModuleBackward {
   explicit ModuleBackward(const Module& m)
-      : relu_pd(cpu_engine(), dnnl::algorithm::eltwise_relu_use_dst_for_bwd, blocked(m.shape.dst),
-                blocked(m.shape.dst), blocked(m.shape.dst), 0.f, m.relu_pd),
+      : relu_pd(cpu_engine(), dnnl::algorithm::eltwise_relu_use_dst_for_bwd, m.dst, m.dst, m.dst, 0.f, m.relu_pd),
         relu(relu_pd),
-        bn_pd(cpu_engine(), dnnl::prop_kind::backward, blocked(m.shape.dst), blocked(m.shape.dst),
-              blocked(m.shape.dst), m.shape.epsilon,
+        bn_pd(cpu_engine(), dnnl::prop_kind::backward, m.dst, m.dst, m.dst, m.shape.epsilon,
               dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift, m.bn_pd),
         bn(bn_pd),
         weights_pd(weights_primitive(m)),
@@ -166,7 +170,7 @@ struct ModuleBackward {
         weights_src(m.src_user, weights_pd.src_desc()),
         weights_diff(m.shape.weights, weights_pd.diff_weights_desc()),
         data_pd(cpu_engine(), dnnl::algorithm::convolution_direct,
-                m.shape.blocked_src ? m.src_user : any(m.shape.src), any(m.shape.weights), blocked(m.shape.dst),
+                m.shape.blocked_src ? m.src_user : any(m.shape.src), any(m.shape.weights), m.dst,
                 m.shape.strides, m.shape.pad_left, m.shape.pad_right, m.conv_pd),
         data(data_pd),
         data_weights(m.shape.weights, data_pd.weights_desc()),
@@ -188,22 +192,25 @@ void Module::make_backward() { bwd = std::make_unique<ModuleBackward>(*this); }
 
 // A module shape's plan: the one kept, else a new one, kept where it is made for a backward pass.
 std::shared_ptr<const Module> module_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
-                                         float epsilon, bool training) {
+                                         float epsilon, int block, bool training) {
   static PlanCache<ModuleShape, Module> modules;
-  const ModuleShape s = module_shape(x.shape(), w.shape(), stride, padding, epsilon);
+  const ModuleShape s = module_shape(x.shape(), w.shape(), stride, padding, epsilon, block);
   return modules.find_or_make(s, training, [&] { return std::make_shared<const Module>(s, training); });
 }
 
 constexpr const char* kModule = "onednn_conv_bn_relu";
 
 void check_module(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
-                  const paddle::Tensor& gamma, const paddle::Tensor& beta) {
+                  const paddle::Tensor& gamma, const paddle::Tensor& beta, int block) {
   check_map(x, kModule, "x");
+  PD_CHECK(valid_block(block), kModule, ": block must be 8 or 16, not ", block);
+  PD_CHECK(x.shape().size() == 4 || x.shape()[4] == block, kModule, ": x is blocked by ", x.shape().back(),
+           " channels, the output would be by ", block);
   check_float(w, kModule, "the weight");
   const int64_t c = w.shape()[0];
   PD_CHECK(w.shape().size() == 4 && logical(x.shape())[1] == w.shape()[1], kModule,
            ": the weight must be OIHW with I the input's channels");
-  PD_CHECK(c % kBlock == 0, kModule, ": the output channels (", c, ") must be a multiple of ", kBlock);
+  PD_CHECK(c % block == 0, kModule, ": the output channels (", c, ") must be a multiple of the block, ", block);
   for (const paddle::Tensor* t : {&b, &gamma, &beta}) {
     check_float(*t, kModule, "the bias and batch norm's scale and shift");
     PD_CHECK(t->shape().size() == 1 && t->shape()[0] == c, kModule, ": the bias and batch norm's scale and shift ",
@@ -213,16 +220,16 @@ void check_module(const paddle::Tensor& x, const paddle::Tensor& w, const paddle
 
 std::vector<paddle::Tensor> ModuleForward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
                                           const paddle::Tensor& gamma, const paddle::Tensor& beta, int stride,
-                                          int padding, float epsilon, bool input_grad) {
-  check_module(x, w, b, gamma, beta);
-  const auto plan = module_for(x, w, stride, padding, epsilon, false);
+                                          int padding, float epsilon, bool input_grad, int block) {
+  check_module(x, w, b, gamma, beta, block);
+  const auto plan = module_for(x, w, stride, padding, epsilon, block, false);
   const Module& m = *plan;
   const int64_t c = m.shape.channels();
-  auto conv_out = empty(blocked_shape(m.shape.dst));
-  auto out = empty(blocked_shape(m.shape.dst));
+  auto conv_out = empty(blocked_shape(m.shape.dst, block));
+  auto out = empty(blocked_shape(m.shape.dst, block));
   auto mean = empty({c});
   auto variance = empty({c});
-  const memory::desc dst = blocked(m.shape.dst);
+  const memory::desc dst = m.dst;
   m.conv.execute(cpu_stream(), {{DNNL_ARG_SRC, m.conv_src.input(x.data<float>())},
                                 {DNNL_ARG_WEIGHTS, m.conv_weights.input(w.data<float>())},
                                 {DNNL_ARG_BIAS, wrap(per_channel(c), b)},
@@ -243,13 +250,13 @@ std::vector<paddle::Tensor> ModuleBackwardFn(const paddle::Tensor& x, const padd
                                              const paddle::Tensor& beta, const paddle::Tensor& conv_out,
                                              const paddle::Tensor& out, const paddle::Tensor& mean,
                                              const paddle::Tensor& variance, const paddle::Tensor& grad_out,
-                                             int stride, int padding, float epsilon, bool input_grad) {
+                                             int stride, int padding, float epsilon, bool input_grad, int block) {
   check_float(grad_out, kModule, "the output's gradient");
-  const auto plan = module_for(x, w, stride, padding, epsilon, true);
+  const auto plan = module_for(x, w, stride, padding, epsilon, block, true);
   const Module& m = *plan;
   const ModuleBackward& p = *m.bwd;
   const int64_t c = m.shape.channels();
-  const memory::desc dst = blocked(m.shape.dst);
+  const memory::desc dst = m.dst;
   auto grad_w = empty(w.shape());
   auto grad_b = empty({c}), grad_gamma = empty({c}), grad_beta = empty({c});
   // the gradients of batch norm's output and of the convolution's, for this call
@@ -291,35 +298,39 @@ std::vector<paddle::Tensor> ModuleBackwardFn(const paddle::Tensor& x, const padd
 
 struct PoolShape {
   Dims src, dst;
-  int64_t kernel, stride;
+  int64_t kernel, stride, block;
   bool operator<(const PoolShape& o) const {
-    return std::tie(src, dst, kernel, stride) < std::tie(o.src, o.dst, o.kernel, o.stride);
+    return std::tie(src, dst, kernel, stride, block) < std::tie(o.src, o.dst, o.kernel, o.stride, o.block);
   }
 };
 
 PoolShape pool_shape(const std::vector<int64_t>& x, int kernel, int stride) {
   const Dims src = logical(x);
-  return {src, {src[0], src[1], (src[2] - kernel) / stride + 1, (src[3] - kernel) / stride + 1}, kernel, stride};
+  return {src, {src[0], src[1], (src[2] - kernel) / stride + 1, (src[3] - kernel) / stride + 1}, kernel, stride,
+          x.back()};
 }
 
 struct Pool {
   Pool(const PoolShape& s, bool training)
       : shape(s),
-        fwd_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, blocked(s.src),
-               blocked(s.dst), {s.stride, s.stride}, {s.kernel, s.kernel}, {0, 0}, {0, 0}, {0, 0}),
+        src(blocked(s.src, s.block)),
+        dst(blocked(s.dst, s.block)),
+        fwd_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::pooling_max, src, dst,
+               {s.stride, s.stride}, {s.kernel, s.kernel}, {0, 0}, {0, 0}, {0, 0}),
         fwd(fwd_pd) {
     // the workspace (where each window's maximum was) is one byte per output, held in a uint8 tensor of the
     // output's shape
     PD_CHECK(fwd_pd.workspace_desc().get_size() == static_cast<size_t>(s.dst[0] * s.dst[1] * s.dst[2] * s.dst[3]),
              "onednn_max_pool_blocked: oneDNN's workspace is not one byte per output");
     if (!training) return;
-    bwd_pd = dnnl::pooling_backward::primitive_desc(cpu_engine(), dnnl::algorithm::pooling_max, blocked(s.src),
-                                                    blocked(s.dst), {s.stride, s.stride}, {s.kernel, s.kernel},
-                                                    {0, 0}, {0, 0}, {0, 0}, fwd_pd);
+    bwd_pd = dnnl::pooling_backward::primitive_desc(cpu_engine(), dnnl::algorithm::pooling_max, src, dst,
+                                                    {s.stride, s.stride}, {s.kernel, s.kernel}, {0, 0}, {0, 0},
+                                                    {0, 0}, fwd_pd);
     bwd = std::make_unique<dnnl::pooling_backward>(bwd_pd);
   }
 
   PoolShape shape;
+  memory::desc src, dst;
   dnnl::pooling_forward::primitive_desc fwd_pd;
   dnnl::pooling_forward fwd;
   dnnl::pooling_backward::primitive_desc bwd_pd;
@@ -338,13 +349,13 @@ memory workspace(const Pool& p, const paddle::Tensor& t) {
 
 std::vector<paddle::Tensor> PoolForward(const paddle::Tensor& x, int kernel, int stride) {
   check_map(x, "onednn_max_pool_blocked", "x");
-  PD_CHECK(x.shape().size() == 5, "onednn_max_pool_blocked: x must be blocked (N, C/8, H, W, 8)");
+  PD_CHECK(x.shape().size() == 5, "onednn_max_pool_blocked: x must be blocked (N, C/B, H, W, B)");
   const auto plan = pool_for(x, kernel, stride, false);
   const Pool& p = *plan;
-  auto out = empty(blocked_shape(p.shape.dst));
-  auto ws = empty(blocked_shape(p.shape.dst), paddle::DataType::UINT8);
-  p.fwd.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(blocked(p.shape.src), x)},
-                               {DNNL_ARG_DST, wrap(blocked(p.shape.dst), out)},
+  auto out = empty(blocked_shape(p.shape.dst, p.shape.block));
+  auto ws = empty(blocked_shape(p.shape.dst, p.shape.block), paddle::DataType::UINT8);
+  p.fwd.execute(cpu_stream(), {{DNNL_ARG_SRC, wrap(p.src, x)},
+                               {DNNL_ARG_DST, wrap(p.dst, out)},
                                {DNNL_ARG_WORKSPACE, workspace(p, ws)}});
   cpu_stream().wait();
   return {out, ws};
@@ -356,8 +367,8 @@ std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::
   const auto plan = pool_for(x, kernel, stride, true);
   const Pool& p = *plan;
   auto grad_x = empty(x.shape());
-  p.bwd->execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, wrap(blocked(p.shape.dst), grad_out)},
-                                      {DNNL_ARG_DIFF_SRC, wrap(blocked(p.shape.src), grad_x)},
+  p.bwd->execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, wrap(p.dst, grad_out)},
+                                      {DNNL_ARG_DIFF_SRC, wrap(p.src, grad_x)},
                                       {DNNL_ARG_WORKSPACE, workspace(p, ws)}});
   cpu_stream().wait();
   return {grad_x};
@@ -366,20 +377,22 @@ std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::
 // ---- two blocked maps joined on channels ----
 
 struct Concat {
-  Concat(const Dims& a, const Dims& b)
+  Concat(const Dims& a, const Dims& b, int64_t block)
       : a(a),
         b(b),
         out{a[0], a[1] + b[1], a[2], a[3]},
-        pd(cpu_engine(), blocked(out), 1, {blocked(a), blocked(b)}),
+        block(block),
+        pd(cpu_engine(), blocked(out, block), 1, {blocked(a, block), blocked(b, block)}),
         join(pd),
         // the gradient's parts, read in place from the output's gradient: oneDNN's views of its first a[1]
         // channels and of the rest
-        a_part(blocked(out).submemory_desc(a, {0, 0, 0, 0})),
-        b_part(blocked(out).submemory_desc(b, {0, a[1], 0, 0})),
-        split_a(dnnl::reorder::primitive_desc(cpu_engine(), a_part, cpu_engine(), blocked(a))),
-        split_b(dnnl::reorder::primitive_desc(cpu_engine(), b_part, cpu_engine(), blocked(b))) {}
+        a_part(blocked(out, block).submemory_desc(a, {0, 0, 0, 0})),
+        b_part(blocked(out, block).submemory_desc(b, {0, a[1], 0, 0})),
+        split_a(dnnl::reorder::primitive_desc(cpu_engine(), a_part, cpu_engine(), blocked(a, block))),
+        split_b(dnnl::reorder::primitive_desc(cpu_engine(), b_part, cpu_engine(), blocked(b, block))) {}
 
   Dims a, b, out;
+  int64_t block;
   dnnl::concat::primitive_desc pd;
   dnnl::concat join;
   memory::desc a_part, b_part;
@@ -387,9 +400,11 @@ struct Concat {
 };
 
 std::shared_ptr<const Concat> concat_for(const paddle::Tensor& a, const paddle::Tensor& b, bool training) {
-  static PlanCache<std::pair<Dims, Dims>, Concat> concats;
-  const auto key = std::make_pair(logical(a.shape()), logical(b.shape()));
-  return concats.find_or_make(key, training, [&] { return std::make_shared<const Concat>(key.first, key.second); });
+  static PlanCache<std::tuple<Dims, Dims, int64_t>, Concat> concats;
+  const auto key = std::make_tuple(logical(a.shape()), logical(b.shape()), a.shape().back());
+  return concats.find_or_make(key, training, [&] {
+    return std::make_shared<const Concat>(std::get<0>(key), std::get<1>(key), std::get<2>(key));
+  });
 }
 
 constexpr const char* kConcat = "onednn_concat_blocked";
@@ -398,14 +413,14 @@ std::vector<paddle::Tensor> ConcatForward(const paddle::Tensor& a, const paddle:
   check_map(a, kConcat, "a");
   check_map(b, kConcat, "b");
   const auto &sa = a.shape(), &sb = b.shape();
-  PD_CHECK(sa.size() == 5 && sb.size() == 5 && sa[0] == sb[0] && sa[2] == sb[2] && sa[3] == sb[3], kConcat,
-           ": a and b must be blocked maps of the same batch, height and width");
+  PD_CHECK(sa.size() == 5 && sb.size() == 5 && sa[0] == sb[0] && sa[2] == sb[2] && sa[3] == sb[3] && sa[4] == sb[4],
+           kConcat, ": a and b must be blocked maps of the same batch, height, width and block");
   const auto plan = concat_for(a, b, false);
   const Concat& c = *plan;
-  auto out = empty(blocked_shape(c.out));
-  c.join.execute(cpu_stream(), {{DNNL_ARG_MULTIPLE_SRC, wrap(blocked(c.a), a)},
-                                {DNNL_ARG_MULTIPLE_SRC + 1, wrap(blocked(c.b), b)},
-                                {DNNL_ARG_DST, wrap(blocked(c.out), out)}});
+  auto out = empty(blocked_shape(c.out, c.block));
+  c.join.execute(cpu_stream(), {{DNNL_ARG_MULTIPLE_SRC, wrap(blocked(c.a, c.block), a)},
+                                {DNNL_ARG_MULTIPLE_SRC + 1, wrap(blocked(c.b, c.block), b)},
+                                {DNNL_ARG_DST, wrap(blocked(c.out, c.block), out)}});
   cpu_stream().wait();
   return {out};
 }
@@ -416,8 +431,8 @@ std::vector<paddle::Tensor> ConcatBackward(const paddle::Tensor& a, const paddle
   const auto plan = concat_for(a, b, true);
   const Concat& c = *plan;
   auto grad_a = empty(a.shape()), grad_b = empty(b.shape());
-  memory from_a = wrap(c.a_part, grad_out), to_a = wrap(blocked(c.a), grad_a);
-  memory from_b = wrap(c.b_part, grad_out), to_b = wrap(blocked(c.b), grad_b);
+  memory from_a = wrap(c.a_part, grad_out), to_a = wrap(blocked(c.a, c.block), grad_a);
+  memory from_b = wrap(c.b_part, grad_out), to_b = wrap(blocked(c.b, c.block), grad_b);
   c.split_a.execute(cpu_stream(), from_a, to_a);
   c.split_b.execute(cpu_stream(), from_b, to_b);
   cpu_stream().wait();
@@ -429,9 +444,9 @@ std::vector<paddle::Tensor> ConcatBackward(const paddle::Tensor& a, const paddle
 std::vector<std::vector<int64_t>> ModuleInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                                    const std::vector<int64_t>& b, const std::vector<int64_t>& gamma,
                                                    const std::vector<int64_t>& beta, int stride, int padding,
-                                                   float epsilon, bool input_grad) {
-  const ModuleShape s = module_shape(x, w, stride, padding, epsilon);
-  const auto out = blocked_shape(s.dst);
+                                                   float epsilon, bool input_grad, int block) {
+  const ModuleShape s = module_shape(x, w, stride, padding, epsilon, block);
+  const auto out = blocked_shape(s.dst, block);
   return {out, out, {s.channels()}, {s.channels()}};
 }
 
@@ -442,7 +457,8 @@ std::vector<paddle::DataType> ModuleInferDtype(const paddle::DataType& x, const 
 }
 
 std::vector<std::vector<int64_t>> PoolInferShape(const std::vector<int64_t>& x, int kernel, int stride) {
-  const auto out = blocked_shape(pool_shape(x, kernel, stride).dst);
+  const PoolShape s = pool_shape(x, kernel, stride);
+  const auto out = blocked_shape(s.dst, s.block);
   return {out, out};
 }
 
@@ -459,7 +475,7 @@ std::vector<paddle::DataType> ConcatInferDtype(const paddle::DataType& a, const 
 PD_BUILD_OP(onednn_conv_bn_relu)
     .Inputs({"X", "W", "B", "Gamma", "Beta"})
     .Outputs({"Out", "Conv", "Mean", "Variance"})
-    .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool"})
+    .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ModuleForward))
     .SetInferShapeFn(PD_INFER_SHAPE(ModuleInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ModuleInferDtype));
@@ -467,7 +483,7 @@ PD_BUILD_OP(onednn_conv_bn_relu)
 PD_BUILD_GRAD_OP(onednn_conv_bn_relu)
     .Inputs({"X", "W", "B", "Gamma", "Beta", "Conv", "Out", "Mean", "Variance", paddle::Grad("Out")})
     .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B"), paddle::Grad("Gamma"), paddle::Grad("Beta")})
-    .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool"})
+    .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ModuleBackwardFn));
 
 PD_BUILD_OP(onednn_max_pool_blocked)
