@@ -95,27 +95,38 @@ def describe(
     return f"{' and '.join(parts)} ({shifts}; {flips})"
 
 
-def batch_rng(seed: int, rank: int, epoch: int, batch: int) -> np.random.Generator:
-    """A generator for one batch: reproducible from its coordinates, different on every rank and epoch.
+def batch_rng(seed: int, epoch: int, batch: int) -> np.random.Generator:
+    """A generator for one global batch: reproducible from its coordinates, different in every epoch.
 
     Seeding each batch on its own (not one stream per epoch) lets a resumed run draw the same augmentations
-    for the batches after a mid-epoch checkpoint as the run that was never stopped.
+    for the batches after a mid-epoch checkpoint as the run that was never stopped. Every rank seeds the same
+    generator and draws for the whole global batch (shift_and_flip), so an image is shifted and flipped alike
+    whatever the number of workers.
     """
-    return np.random.default_rng([seed & 0xFFFFFFFF, rank, epoch, batch])
+    return np.random.default_rng([seed & 0xFFFFFFFF, epoch, batch])
 
 
-def shift_and_flip(images: np.ndarray, policy: Augment, rng: np.random.Generator) -> np.ndarray:
-    """uint8 (N, C, H, W) -> a new uint8 batch of the same shape, each image shifted and maybe flipped."""
+def shift_and_flip(
+    images: np.ndarray, policy: Augment, rng: np.random.Generator, position: int = 0, total: int | None = None
+) -> np.ndarray:
+    """uint8 (N, C, H, W) -> a new uint8 batch of the same shape, each image shifted and maybe flipped.
+
+    images are places position .. position + N - 1 of a global batch of `total` images (N when None): the
+    draws are made for all `total` and this share takes its own, so a worker's images get the shifts and flips
+    one process training the whole global batch would give them.
+    """
     n, _, h, w = images.shape
+    total = n if total is None else total
+    share = slice(position, position + n)
     out = images
     if policy.pad:
         p = policy.pad
         padded = np.pad(images, ((0, 0), (0, 0), (p, p), (p, p)))
         windows = sliding_window_view(padded, (h, w), axis=(2, 3))  # (N, C, 2p+1, 2p+1, H, W), a view
-        dy, dx = rng.integers(0, 2 * p + 1, size=(2, n))
+        dy, dx = rng.integers(0, 2 * p + 1, size=(2, total))[:, share]
         out = windows[np.arange(n), :, dy, dx]  # the advanced indices gather one crop per image: (N, C, H, W)
     if policy.flip:
-        mirror = rng.random(n) < 0.5
+        mirror = rng.random(total)[share] < 0.5
         out = out.copy() if out is images else out
         out[mirror] = out[mirror, :, :, ::-1]
     return out

@@ -200,8 +200,9 @@ class AugmentPlan:
 
     policy: augment.Augment
     seed: int
-    rank: int
     epoch: int
+    rank: int  # this worker's share of each global batch is places rank * n .. rank * n + n - 1 of it
+    world_size: int
 
 
 def batches(
@@ -212,8 +213,9 @@ def batches(
         idx = np.asarray(idx)
         images = split.images[idx]
         if plan is not None:
-            rng = augment.batch_rng(plan.seed, plan.rank, plan.epoch, k)
-            images = augment.shift_and_flip(images, plan.policy, rng)
+            rng = augment.batch_rng(plan.seed, plan.epoch, k)
+            n = len(idx)
+            images = augment.shift_and_flip(images, plan.policy, rng, plan.rank * n, plan.world_size * n)
         yield normalise(images, ds.mean, ds.std), split.labels[idx]
 
 
@@ -258,11 +260,12 @@ class TrainBatches:
     anew each epoch from the run's seed), augmented as the run asks, normalised, assembled in a background thread.
 
     Batch k of an epoch is the same whether the epoch is trained whole or resumed from a checkpoint at batch j < k:
-    its augmentation is drawn from (seed, rank, epoch, k) alone.
+    its augmentation is drawn from (seed, epoch, k) alone, for the whole global batch, so that each image gets the
+    same shift and flip on any number of workers.
     """
 
     def __init__(self, split: Split, ds: Dataset, per_worker: int, rank: int, world_size: int, cfg):
-        self.split, self.ds, self.rank = split, ds, rank
+        self.split, self.ds, self.rank, self.world_size = split, ds, rank, world_size
         self.sampler = make_sampler(len(split), per_worker, rank, world_size)
         self.seed = cfg.seed
         self.policy = augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip) if cfg.augment else None
@@ -273,7 +276,7 @@ class TrainBatches:
     def epoch(self, epoch: int, first: int, count: int, stage=None) -> Batches:
         """stage: a last step for each batch in the background thread (transfer.Feed.host), or None."""
         self.sampler.set_epoch(sampler_epoch(self.seed, epoch))
-        plan = AugmentPlan(self.policy, self.seed, self.rank, epoch) if self.policy else None
+        plan = AugmentPlan(self.policy, self.seed, epoch, self.rank, self.world_size) if self.policy else None
         indices = itertools.islice(self.sampler, first, first + count)
         return Batches(first, count, prefetch(batches(self.split, self.ds, indices, plan, first=first), stage=stage))
 

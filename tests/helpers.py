@@ -32,6 +32,12 @@ TUTORIAL_CNN = ["--model", "mnist_cnn", "--warmup-epochs", "0"]
 PLAIN_MNIST = ["--dataset", "mnist", "--no-augment"]
 
 
+# A short job on real MNIST as shipped, with mnist_cnn's own recipe (augmented by default) and the default
+# convolutions, for the checks that N workers train one process's step (docs/training.md has the measurements)
+REAL_JOB = ["--dataset", "mnist", "--model", "mnist_cnn", "--max-steps", "15", "--batch-size", "96"]
+REAL_JOB += ["--train-limit", "3000", "--eval-limit", "600", "--seed", "7"]
+
+
 def small_run(
     *,
     train_limit: int | None = 512,

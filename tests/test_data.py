@@ -396,7 +396,7 @@ def test_datasets_are_read_from_the_checkouts_data_folder():
 def test_augmentation_is_a_shift_and_maybe_a_flip_of_each_image():
     images = np.random.RandomState(0).randint(1, 256, size=(64, 3, 32, 32)).astype(np.uint8)
     policy = augment.POLICIES["cifar10"]
-    out = augment.shift_and_flip(images, policy, augment.batch_rng(1, 0, 0, 0))
+    out = augment.shift_and_flip(images, policy, augment.batch_rng(1, 0, 0))
     assert out.shape == images.shape and out.dtype == np.uint8
     padded = np.pad(images, ((0, 0), (0, 0), (4, 4), (4, 4)))
     offsets, flips = set(), 0
@@ -414,22 +414,37 @@ def test_augmentation_is_a_shift_and_maybe_a_flip_of_each_image():
     assert len(offsets) > 20 and 16 < flips < 48  # offsets spread over the 81, about half flipped
 
 
-def test_augmentation_is_reproducible_and_differs_by_rank_epoch_and_batch():
+def test_augmentation_is_reproducible_and_differs_by_epoch_and_batch():
     images = np.random.RandomState(0).randint(0, 256, size=(32, 3, 32, 32)).astype(np.uint8)
     policy = augment.POLICIES["cifar10"]
 
-    def draw(seed, rank, epoch, batch):
-        return augment.shift_and_flip(images, policy, augment.batch_rng(seed, rank, epoch, batch))
+    def draw(seed, epoch, batch):
+        return augment.shift_and_flip(images, policy, augment.batch_rng(seed, epoch, batch))
 
-    np.testing.assert_array_equal(draw(42, 1, 3, 7), draw(42, 1, 3, 7))
-    for other in ((43, 1, 3, 7), (42, 0, 3, 7), (42, 1, 4, 7), (42, 1, 3, 8)):
-        assert not np.array_equal(draw(*other), draw(42, 1, 3, 7)), other
+    np.testing.assert_array_equal(draw(42, 3, 7), draw(42, 3, 7))
+    for other in ((43, 3, 7), (42, 4, 7), (42, 3, 8)):
+        assert not np.array_equal(draw(*other), draw(42, 3, 7)), other
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_each_workers_share_is_augmented_as_one_process_augments_the_global_batch(workers):
+    """N workers then train on the images one process would: the same shift and flip for every image."""
+    images = np.random.RandomState(1).randint(0, 256, size=(96, 3, 32, 32)).astype(np.uint8)
+    policy = augment.POLICIES["cifar10"]
+    whole = augment.shift_and_flip(images, policy, augment.batch_rng(7, 2, 5))
+    n = 96 // workers
+    for rank in range(workers):
+        part = images[rank * n : rank * n + n]
+        share = augment.shift_and_flip(part, policy, augment.batch_rng(7, 2, 5), rank * n, 96)
+        np.testing.assert_array_equal(share, whole[rank * n : rank * n + n])
+    alone = augment.shift_and_flip(images[n : 2 * n], policy, augment.batch_rng(7, 2, 5))  # draws of its own
+    assert not np.array_equal(alone, whole[n : 2 * n])
 
 
 def test_digits_are_shifted_but_never_mirrored():
     images = np.zeros((200, 1, 28, 28), np.uint8)
     images[:, 0, 10:18, 3] = 255  # a bar near the left edge: a mirror would move it past the middle
-    out = augment.shift_and_flip(images, augment.POLICIES["mnist"], augment.batch_rng(0, 0, 0, 0))
+    out = augment.shift_and_flip(images, augment.POLICIES["mnist"], augment.batch_rng(0, 0, 0))
     columns = out.max(axis=(1, 2)).argmax(axis=1)
     assert set(columns.tolist()) == {1, 2, 3, 4, 5}
 
@@ -437,7 +452,7 @@ def test_digits_are_shifted_but_never_mirrored():
 def test_batches_resume_mid_epoch_with_the_same_augmentation():
     split = data.Split(*make_colour_images(40, seed=1))
     ds = data.Dataset("cifar10", split, split, split, (0.5,) * 3, (0.25,) * 3, tuple("abcdefghij"))
-    plan = data.AugmentPlan(augment.POLICIES["cifar10"], seed=5, rank=1, epoch=2)
+    plan = data.AugmentPlan(augment.POLICIES["cifar10"], seed=5, epoch=2, rank=1, world_size=2)
     index_batches = [np.arange(k * 8, k * 8 + 8) for k in range(5)]
     whole = list(data.batches(split, ds, index_batches, plan))
     resumed = list(data.batches(split, ds, index_batches[3:], plan, first=3))
@@ -452,7 +467,7 @@ def test_shift_zero_leaves_only_flips():
     policy = augment.policy_for("fashion-mnist", (1, 28, 28), 0)
     assert policy == augment.Augment(pad=0, flip=True) and augment.policy_for("cifar10", (3, 32, 32)).pad == 4
     images = np.random.default_rng(0).integers(0, 256, (64, 1, 28, 28), dtype=np.uint8)
-    out = augment.shift_and_flip(images, policy, augment.batch_rng(0, 0, 0, 0))
+    out = augment.shift_and_flip(images, policy, augment.batch_rng(0, 0, 0))
     same = [np.array_equal(o, i) for o, i in zip(out, images)]
     mirrored = [np.array_equal(o, i[:, :, ::-1]) for o, i in zip(out, images)]
     assert all(s or m for s, m in zip(same, mirrored))

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
+    REAL_JOB,
     TRAIN_PY,
     explain,
     launch_env,
@@ -74,6 +75,7 @@ def launch(
     host_flag: bool = True,
     ifname: bool = True,
     machine_1: list[str] = (),
+    job: list[str] = ARGS,
 ):
     """The docs' command on each machine (machine 0 serves --master), started in root, which gets each machine's
     log_dir (log0, log1) and launcher output (launcher0.txt, launcher1.txt); returns the two launchers. machine_1:
@@ -86,7 +88,7 @@ def launch(
         cmd += ["--master", f"{master.address}:{PORT}", "--rank", str(rank)]
         cmd += ["--host", host.address] if host_flag else []
         cmd += ["--nproc_per_node", "1", "--log_dir", str(root / f"log{rank}")]
-        cmd += [str(TRAIN_PY), *ARGS, *extra, "--output-dir", str(out), "--resume", "auto"]
+        cmd += [str(TRAIN_PY), *job, *extra, "--output-dir", str(out), "--resume", "auto"]
         cmd += list(machine_1) if rank == 1 else []
         env = dict(launch_env(), GLOO_SOCKET_IFNAME=host.interface) if ifname else launch_env()
         with open(root / f"launcher{rank}.txt", "w") as output:  # the launcher keeps its own descriptor
@@ -144,6 +146,20 @@ def test_two_machines_equal_one_process_with_the_same_global_batch(uninterrupted
     a, b = weights(tmp_path / "one" / "model.pdparams"), weights(uninterrupted / "out" / "model.pdparams")
     assert a.keys() == b.keys() and len(a) == 6
     for name in a:  # test_parallel's tolerance for two launchers on one machine
+        np.testing.assert_allclose(b[name], a[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_two_machines_equal_one_process_on_real_mnist_with_its_default_recipe(two_machines, tmp_path):
+    """test_parallel's job on real MNIST, augmented as its recipe says, on two machines of one worker each."""
+    jobs = launch(two_machines, tmp_path, tmp_path / "out", job=REAL_JOB)
+    codes = wait_all(jobs, 180)
+    assert codes == [0, 0], explain_job(codes, tmp_path)
+    assert "augmentation random shifts of up to 2 px" in worker_log(tmp_path / "log1", 0)
+    one = run_single([*REAL_JOB, "--output-dir", str(tmp_path / "one")], cwd=tmp_path)
+    assert one.returncode == 0, explain(one)
+    a, b = weights(tmp_path / "one" / "model.pdparams"), weights(tmp_path / "out" / "model.pdparams")
+    assert a.keys() == b.keys() and len(a) == 6
+    for name in a:
         np.testing.assert_allclose(b[name], a[name], atol=1e-5, rtol=0, err_msg=name)
 
 

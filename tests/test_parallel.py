@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+from pathlib import Path
 
 import numpy as np
 import paddle
 import pytest
 from helpers import (
+    REAL_JOB,
     explain,
     free_port,
     param_digest,
@@ -16,6 +18,7 @@ from helpers import (
     read_results,
     run_launch,
     run_one_and_two,
+    run_single,
     small_run,
     weights,
     worker_log,
@@ -56,6 +59,27 @@ def test_two_workers_equal_one_process_with_the_same_global_batch(one_and_two):
     for a, b in zip(m1, m2):
         assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-4)
         assert b["train_acc"] == pytest.approx(a["train_acc"], abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def real_one(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("real") / "one"
+    proc = run_single([*REAL_JOB, "--output-dir", str(out)], cwd=out.parent)
+    assert proc.returncode == 0, explain(proc)
+    return out
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_equal_one_process_on_real_mnist_with_its_default_recipe(real_one, tmp_path, workers):
+    """Each image gets the same shift on any number of workers, so N workers train the one process's step."""
+    args = [*REAL_JOB, "--output-dir", str(tmp_path / "out")]
+    proc = run_launch(args, tmp_path, tmp_path / "log", ["--nproc_per_node", str(workers)])
+    assert proc.returncode == 0, explain(proc, tmp_path / "log")
+    assert "augmentation random shifts of up to 2 px" in worker_log(tmp_path / "log", 0)  # as the recipe says
+    one, many = weights(real_one / "model.pdparams"), weights(tmp_path / "out" / "model.pdparams")
+    assert one.keys() == many.keys() and len(one) == 6
+    for name in one:
+        np.testing.assert_allclose(many[name], one[name], atol=1e-5, rtol=0, err_msg=name)
 
 
 def test_worker_logs_are_rank_tagged(one_and_two):
