@@ -1,5 +1,14 @@
 """How this worker was started and what its device can run: the launcher's layout and GPU flags, and the
-settings a device cannot honour, all checked before any process group exists."""
+settings a device cannot honour, all checked before any process group exists.
+
+Run as a program, it is Paddle's launcher with a check first:
+
+    python -m paddle_mnist.launch --nnodes 2 --master 10.0.0.1:8090 --host 10.0.0.2 ... train.py ...
+
+takes paddle.distributed.launch's arguments unchanged, stops at once with one line where this machine would
+leave the job hanging or failing (preflight.launch_problems: a hostname on loopback without --host or
+GLOO_SOCKET_IFNAME), and otherwise becomes `python -m paddle.distributed.launch` with the same arguments.
+"""
 
 from __future__ import annotations
 
@@ -179,3 +188,28 @@ def device_capability(device: str) -> tuple[int, int] | None:
     if not device.startswith("gpu"):
         return None
     return tuple(paddle.device.cuda.get_device_capability(device))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check this machine for the launcher's command line, then replace this process with Paddle's launcher."""
+    import sys
+
+    from . import preflight
+
+    argv = sys.argv[1:] if argv is None else argv
+    problems = preflight.launch_problems(argv, os.environ)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+    if problems:
+        print(
+            "paddle_mnist.launch: paddle.distributed.launch not started (python -m paddle_mnist.preflight checks "
+            "a machine in full)",
+            file=sys.stderr,
+        )
+        return 1
+    os.execv(sys.executable, [sys.executable, "-m", "paddle.distributed.launch", *argv])
+    return 0  # not reached: execv replaced this process
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

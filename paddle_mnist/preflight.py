@@ -124,8 +124,9 @@ def address_findings(
     src, iface = m.source, m.interface_of(m.source)
     is_master = master_ip in m.addresses.values() or is_loopback(master_ip)
     found: list[Finding] = []
-    fix_env = f"GLOO_SOCKET_IFNAME={iface}" if device == "cpu" else f"NCCL_SOCKET_IFNAME={iface}"
-    fix = f"pass --host {src} to paddle.distributed.launch and set {fix_env}"
+    env_name = "GLOO_SOCKET_IFNAME" if device == "cpu" else "NCCL_SOCKET_IFNAME"
+    fix = f"pass --host {src} to paddle.distributed.launch"
+    fix += "" if environ.get(env_name) else f" and set {env_name}={iface}"
     if host is not None:
         if host not in m.addresses.values():
             have = ", ".join(f"{a} ({n})" for n, a in m.addresses.items())
@@ -323,6 +324,47 @@ def main(argv: list[str] | None = None) -> int:
     for finding in findings:
         print(finding.line(), flush=True)
     return 1 if any(f.level == "error" for f in findings) else 0
+
+
+LAUNCHER_VALUES = ("--nnodes", "--master", "--host", "--gpus", "--devices", "--selected_gpus")
+
+
+def launcher_options(argv: list[str]) -> dict[str, str]:
+    """The values of LAUNCHER_VALUES in a paddle.distributed.launch command line (--opt V or --opt=V), read up to
+    the training script (the first argument ending in .py): the trainer's own flags after it are not the
+    launcher's."""
+    found: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py") and not arg.startswith("-"):
+            break
+        name, eq, value = arg.partition("=")
+        if name in LAUNCHER_VALUES:
+            found[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return found
+
+
+def launch_problems(argv: list[str], environ: Mapping[str, str]) -> list[str]:
+    """What in a paddle.distributed.launch command line would make a multi-machine job hang or fail on this
+    machine, found before the launcher starts (address_findings' errors): empty where it would not, and for a
+    job whose launchers are all on this machine (one launcher, or a --master on loopback)."""
+    options = launcher_options(argv)
+    try:
+        nnodes = int(options.get("--nnodes", "1").split(":")[-1])
+    except ValueError:
+        return []  # the launcher's own parser says what is wrong with it
+    master = options.get("--master", "")
+    if nnodes < 2 or not master or "://" in master:  # an etcd:// master: the launcher finds the others there
+        return []
+    try:
+        master_ip, _ = parse_master(master)
+    except UsageError as e:
+        return [str(e)]
+    if is_loopback(master_ip):  # every launcher is on this machine, and loopback serves them all
+        return []
+    gpus = any(options.get(name) for name in ("--gpus", "--devices", "--selected_gpus"))
+    device = "gpu" if gpus else "cpu"
+    findings = address_findings(Machine.here(master_ip), master_ip, nnodes, options.get("--host"), device, environ)
+    return [f.text for f in findings if f.level == "error"]
 
 
 def startup_problem(environ: Mapping[str, str]) -> str | None:

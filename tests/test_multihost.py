@@ -76,6 +76,7 @@ def launch(
     ifname: bool = True,
     machine_1: list[str] = (),
     job: list[str] = ARGS,
+    launcher: str = "paddle.distributed.launch",
 ):
     """The docs' command on each machine (machine 0 serves --master), started in root, which gets each machine's
     log_dir (log0, log1) and launcher output (launcher0.txt, launcher1.txt); returns the two launchers. machine_1:
@@ -84,7 +85,7 @@ def launch(
     master = hosts[0]
     jobs = []
     for rank, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nnodes", "2"]
+        cmd = [sys.executable, "-m", launcher, "--nnodes", "2"]
         cmd += ["--master", f"{master.address}:{PORT}", "--rank", str(rank)]
         cmd += ["--host", host.address] if host_flag else []
         cmd += ["--nproc_per_node", "1", "--log_dir", str(root / f"log{rank}")]
@@ -150,8 +151,9 @@ def test_two_machines_equal_one_process_with_the_same_global_batch(uninterrupted
 
 
 def test_two_machines_equal_one_process_on_real_mnist_with_its_default_recipe(two_machines, tmp_path):
-    """test_parallel's job on real MNIST, augmented as its recipe says, on two machines of one worker each."""
-    jobs = launch(two_machines, tmp_path, tmp_path / "out", job=REAL_JOB)
+    """test_parallel's job on real MNIST, augmented as its recipe says, on two machines of one worker each,
+    started by python -m paddle_mnist.launch (Paddle's launcher after a check, the arguments unchanged)."""
+    jobs = launch(two_machines, tmp_path, tmp_path / "out", job=REAL_JOB, launcher="paddle_mnist.launch")
     codes = wait_all(jobs, 180)
     assert codes == [0, 0], explain_job(codes, tmp_path)
     assert "augmentation random shifts of up to 2 px" in worker_log(tmp_path / "log1", 0)
@@ -265,6 +267,24 @@ def test_without_host_the_launchers_wait_for_a_master_nobody_serves(hosts, data_
     for rank in (0, 1):
         assert "master not ready" in (tmp_path / f"launcher{rank}.txt").read_text()
         assert not (tmp_path / f"log{rank}" / "workerlog.0").exists()
+
+
+def test_paddle_mnist_launch_without_host_stops_at_once_naming_it(hosts, data_dir, tmp_path):
+    """The same command through python -m paddle_mnist.launch: each machine stops within seconds, in one line
+    naming --host and this machine's address, and no launcher or worker starts."""
+    started = time.monotonic()
+    args = ["--data-dir", str(data_dir)]
+    jobs = launch(hosts, tmp_path, tmp_path / "out", args, host_flag=False, launcher="paddle_mnist.launch")
+    codes = wait_all(jobs, 30)
+    assert codes == [1, 1] and time.monotonic() - started < 30, explain_job(codes, tmp_path)
+    for rank, host in enumerate(hosts):
+        text = (tmp_path / f"launcher{rank}.txt").read_text()
+        errors = [x for x in text.splitlines() if x.startswith("error: ")]
+        assert f"hostname '{host.hostname}' resolves to 127.0.1.1" in errors[0], text
+        assert f"pass --host {host.address} to paddle.distributed.launch" in errors[0], text
+        assert f"GLOO_SOCKET_IFNAME={host.interface}" not in errors[0], text  # it is set: the fix is --host alone
+        assert len(errors) == 1 and "LAUNCH" not in text, text  # Paddle's launcher never started
+        assert not (tmp_path / f"log{rank}").exists()
 
 
 @pytest.mark.parametrize(
