@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 PROGRESS = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+) step (\d+)/(\d+)")
@@ -20,6 +21,7 @@ EPOCH_DONE = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) done")
 # the last epoch of a run that --max-steps ended mid-epoch (evaluated like any other)
 EPOCH_CUT = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) stopped at --max-steps (\d+)")
 TAG = re.compile(r"\[rank (\d+)/(\d+)\]")  # global rank / world size
+CLOCK = re.compile(r"^(\d\d):(\d\d):(\d\d) \[rank ")  # the time of day the trainer's lines begin with
 WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 MEMORY = re.compile(r"memory (\d+) MiB")
 # A run's first line in a worker log (start.announce), before Paddle loads; in logs from before it, the first line
@@ -189,6 +191,7 @@ class RankReport:
     world: int | None = None  # the job's world size from the lines' tags
     source: str = ""  # how the summary names the file: workerlog.N, or DIR/workerlog.N when several DIRs are read
     fallback_rank: int | None = None  # the rank assumed when no line carries one (see read_rank)
+    stopped_at: float | None = None  # when its stop line (a signal) was written, to the second, if it has one
 
 
 def known_failure(lines: list[str]) -> tuple[Failure | None, tuple[str, ...]]:
@@ -208,6 +211,16 @@ def last_run(text: str) -> tuple[str, int]:
         if starts:
             return "".join(lines[starts[-1] :]), len(starts) - 1
     return text, 0
+
+
+def clock_time(line: str, mtime: float) -> float | None:
+    """The time a trainer's line was written (its HH:MM:SS, on the day of the file's last write, or the day before
+    where that would put it after the write), to the second; None for a line without one."""
+    if not (m := CLOCK.match(line)):
+        return None
+    written = datetime.fromtimestamp(mtime)
+    at = written.replace(hour=int(m.group(1)), minute=int(m.group(2)), second=int(m.group(3)), microsecond=0)
+    return at.timestamp() - (86400 if at.timestamp() > mtime + 60 else 0)
 
 
 def read_rank(path: Path, source: str | None = None) -> RankReport:
@@ -242,13 +255,14 @@ def read_rank(path: Path, source: str | None = None) -> RankReport:
     memory = [int(m.group(1)) for m in map(MEMORY.search, lines) if m]
     last = next((line.strip() for line in reversed(lines) if line.strip()), "")
     rank, world = (int(tags[-1].group(1)), int(tags[-1].group(2))) if tags else (None, None)
+    mtime = path.stat().st_mtime
     return RankReport(
         path,
         rank,
         status,
         where,
         message,
-        path.stat().st_mtime,
+        mtime,
         failure,
         evidence,
         memory[-1] if memory else None,
@@ -257,6 +271,7 @@ def read_rank(path: Path, source: str | None = None) -> RankReport:
         world,
         source or path.name,
         _number(path) if source is None else None,
+        clock_time(signalled[-1], mtime) if signalled else None,
     )
 
 
@@ -270,7 +285,8 @@ def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankR
     A rank with a cause of its own (an error, a crash, a kill from outside) beats one whose end echoes another's
     (a lost connection, the watchdog's verdict, the launcher's SIGTERM). Among those, the ranks an ABORT!!! line
     names come first: it names the processes that ended first, which may be only the echo of a rank that hung
-    before it ended. Then the log that fell silent first wins."""
+    before it ended. A stop by signal logged after another rank's echo ended is the launcher answering that end (it
+    stops the other workers with SIGTERM), so the echo comes first. Then the log that fell silent first wins."""
     unfinished = [r for r in reports if r.status != "finished"]
     pointers = [line.strip() for line in launcher if ABORT.search(line)]
     named = {int(k) for line in pointers for k in ABORT.search(line).group(1).replace(" ", "").split(",") if k}
@@ -278,8 +294,17 @@ def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankR
     candidates = own or unfinished
     candidates = [r for r in candidates if _rank_of(r) in named] or candidates
     if not own:
+        echo_end = min((r.mtime for r in candidates if r.failure and r.failure.echo), default=None)
+        if echo_end is not None:  # the stop line's second (floored: if after the echo's end, surely after), or
+            # for Paddle's own handler, which ends the process as it writes, the log's last write
+            answers = [r for r in candidates if r.failure is SIGNALLED and _stop_time(r) > echo_end]
+            candidates = [r for r in candidates if r not in answers] or candidates
         candidates = [r for r in candidates if not (r.failure and r.failure.echo)] or candidates
     return min(candidates, key=lambda r: r.mtime), pointers
+
+
+def _stop_time(r: RankReport) -> float:
+    return r.stopped_at if r.stopped_at is not None else r.mtime
 
 
 def _rank_of(r: RankReport) -> int | None:
@@ -324,7 +349,11 @@ def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> 
         return None
     # silent: another rank's watchdog may have seen it go quiet; otherwise something killed it from outside
     if (n := _rank_of(first)) is not None:
-        quiet = re.compile(rf"rank {n} \(last seen at step \d+\)")
+        # the verdict names a quiet rank by its last step, or rank 0 as the host of the store it stopped answering
+        quiet = re.compile(
+            rf"rank {n} \(last seen at step \d+\)"
+            + (r"|rank 0, which hosts the job's key-value store" if n == 0 else "")
+        )
         for r in reports:
             for line in r.evidence if r.failure is WATCHDOG else ():
                 if quiet.search(line):

@@ -147,6 +147,25 @@ def test_worker_killed_by_the_out_of_memory_killer(tmp_path, data_dir):
 
 
 @pytest.mark.slow
+def test_a_stopped_rank_0_is_named_by_the_verdict_not_as_killed_for_memory(tmp_path, data_dir):
+    """Rank 0 (the store's host) is held by SIGSTOP: rank 1's watchdog says rank 0 stopped answering and ends, and
+    the launcher kills rank 0 without a word in its log. The summary names rank 0 and the verdict as the cause,
+    not the out-of-memory killer that a silent log alone would suggest."""
+    out = tmp_path / "o"
+    args = [*ARGS, "--data-dir", str(data_dir), "--epochs", "40", "--output-dir", str(out)]
+    job = start(["paddle.distributed.launch", "--nproc_per_node", "2"], args, tmp_path)
+    with reaped(job):
+        wait_for(job, tmp_path / "log" / "workerlog.0", "epoch 1 step 4/32")
+        os.kill(rank_pid(out, 0), signal.SIGSTOP)
+        assert job.wait(timeout=120) != 0
+    summary = summarise(tmp_path / "log", [tmp_path / "launcher.out"])
+    assert "first to stop: rank 0" in summary and "rank 1   error" in summary, summary
+    assert "cause: a worker stopped making progress, so the watchdog ended the job" in summary, summary
+    assert "workerlog.1: " in summary and "rank 0, which hosts the job's key-value store, stopped answering" in summary
+    assert "out-of-memory" not in summary, summary
+
+
+@pytest.mark.slow
 def test_a_reused_log_dir_is_read_for_its_last_run_only(tmp_path, data_dir):
     """The launcher appends each run to the workerlog.N of the runs before it. A run refused at once, then one that
     finishes: the summary is the finished one's, and says the earlier run was ignored; a third, refused, is the
@@ -260,6 +279,42 @@ def test_a_rank_with_a_cause_of_its_own_beats_the_echo_the_launcher_names(tmp_pa
     # the same logs without the bus error line: both ends are echoes, and the launcher's pointer decides
     (log / "workerlog.1").write_text(HUNG_RANK_1.replace("Fatal Python error: Bus error", ""))
     assert "first to stop: rank 0" in summarise(log, [tmp_path / "launcher.out"])
+
+
+# The cold start of #40 before its fix: rank 0 decodes a folder, rank 1 waits in a gloo collective that aborts
+# at 30 s, the launcher then stops rank 0 with SIGTERM (the lines are the trainer's and gloo's own)
+DECODING_RANK_0 = """\
+12:00:00 [rank 0/2] rank 0 of world size 2 (local rank 0 of 2), backend gloo, device cpu
+12:00:01 [rank 0/2] decoding 60000 images (3x32x32) into a cache (no cache yet)
+12:00:{stop} [rank 0/2] stopped by SIGTERM while decoding the folder; the unfinished cache was removed and nothing \
+was trained: run the same command again
+"""
+WAITING_RANK_1 = """\
+12:00:00 [rank 1/2] rank 1 of world size 2 (local rank 1 of 2), backend gloo, device cpu
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [/paddle/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:133] TIMEOUT self_rank = 1 pair_rank = 0
+FatalError: `Process abort signal` is detected by the operating system.
+"""
+
+
+@pytest.mark.parametrize("stop,first", [("36", "rank 1"), ("20", "rank 0")], ids=["launchers-answer", "signal-first"])
+def test_a_sigterm_logged_after_another_ranks_end_is_the_launchers_answer(tmp_path, stop, first):
+    """Rank 1's gloo abort is an echo and rank 0's SIGTERM is no failure of its own: where the SIGTERM came after
+    rank 1's log ended, the launcher sent it in answer, and rank 1 stopped first; where it came before, the
+    signal (a user, a scheduler) ended the job."""
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "workerlog.0").write_text(DECODING_RANK_0.format(stop=stop))
+    (log / "workerlog.1").write_text(WAITING_RANK_1)
+    noon = time.mktime(time.localtime()[:3] + (12, 0, 0, 0, 0, -1))
+    os.utime(log / "workerlog.1", (noon + 31.5, noon + 31.5))  # gloo's abort, 30 s after rank 1 began to wait
+    os.utime(log / "workerlog.0", (noon + 36.2, noon + 36.2))
+    summary = summarise(log)
+    assert f"first to stop: {first}" in summary, summary
+    if first == "rank 1":
+        assert "cause: the connection between the workers failed" in summary, summary
+    else:
+        assert "cause: stopped by SIGTERM or SIGINT" in summary, summary
 
 
 # Paddle 3.3.1's port clash as a CI run logged it: the libuv assertion and the faulthandler line, and no C++
