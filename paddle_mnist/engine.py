@@ -268,15 +268,28 @@ def evaluate(
     ds: data.Dataset,
     cfg: Config,
     env: DistEnv,
-    alive: Callable[[], None] | None = None,
+    alive: Callable[..., None] | None = None,
 ) -> EvalStats:
     """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once.
 
-    alive: called after every batch (the watchdog's, so that a long evaluation is not taken for a hang).
+    alive: called after every layer's forward (the watchdog's, so that a long evaluation is not taken for a hang,
+    and another rank waiting for this one in the all-reduce sees it at work however large the batch).
     """
     net = unwrap(model)
     net.eval()
     shard = data.eval_shard(len(split), env.rank, env.world_size)
+    hooks = [layer.register_forward_post_hook(alive) for layer in net.sublayers()] if alive else []
+    try:
+        sums = _score_shard(net, split, ds, cfg, shard)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    correct, loss_sum, count = all_reduce_sum(sums, env)
+    return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))
+
+
+def _score_shard(net: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, shard: range) -> np.ndarray:
+    """(correct, summed loss, count) over the shard's images, batch by batch."""
     sums = np.zeros(3)
     for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
         idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
@@ -290,7 +303,4 @@ def evaluate(
             float(F.cross_entropy(logits, y, reduction="sum")),
             len(idx),
         )
-        if alive is not None:
-            alive()
-    correct, loss_sum, count = all_reduce_sum(sums, env)
-    return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))
+    return sums

@@ -1,11 +1,13 @@
 """No silent hangs: end a worker whose job stopped making progress, naming the ranks that went quiet.
 
 Each worker runs a thread that bumps a heartbeat counter in Paddle's job-wide TCP store every second and
-publishes its step. Paddle releases the GIL inside collectives, so the thread keeps running while the
-main thread waits in an all-reduce for a worker that was stopped (SIGSTOP), hung or cut off. When the
-main thread has made no progress for --collective-timeout seconds, a second thread reads every rank's
-heartbeat twice, names the ranks whose heartbeat stood still, logs one error line and exits the process,
-so the launcher ends the job instead of waiting forever.
+publishes its step and a count of its work (steps and evaluated layers). Paddle releases the GIL inside
+collectives, so the thread keeps running while the main thread waits in an all-reduce for a worker that was
+stopped (SIGSTOP), hung or cut off. When the main thread has made no progress for --collective-timeout seconds, a
+second thread reads every rank's counters twice. A rank whose work count moved is only slower (a busy machine
+evaluating its shard): this rank waits on for it, up to a limit (a few seconds short of gloo's abort on CPU).
+Otherwise it names the ranks whose heartbeat stood still, logs one error line and exits the process, so the
+launcher ends the job instead of waiting forever.
 
 The default timeout follows the backend. On CPU, gloo ends a collective that waited 30 s by aborting the process
 (SIGABRT, naming no rank), and Paddle gives no way to change that: ProcessGroupGloo.create takes no timeout and
@@ -32,6 +34,12 @@ GLOO_TIMEOUT_S = 30.0  # gloo's kTimeoutDefault (gloo/context.cc), which Paddle 
 GLOO_DEFAULT_S = 15.0
 NCCL_DEFAULT_S = 300.0
 ASK_INTERVALS = 3  # how long the verdict may wait for the store before blaming rank 0, which hosts it
+GLOO_MARGIN_S = 4.0  # a rank at work is waited for until this long before gloo's abort
+
+
+def patience_for(timeout: float, backend: str) -> float:
+    """How long a rank waits, in all, for another that is still at work (its work count moving)."""
+    return GLOO_TIMEOUT_S - GLOO_MARGIN_S if backend == "gloo" else 2 * timeout
 
 
 def timeout_for(requested: float | None, backend: str) -> float:
@@ -60,6 +68,9 @@ class Watchdog:
         self.timeout = timeout_for(timeout, env.backend)
         self.step = 0
         self._published = 0
+        self._work = 0  # progress() and alive() calls, published as the rank's work count
+        self._work_published = 0
+        self._waiting_for: str | None = None  # the busy ranks already logged as waited for
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -86,10 +97,14 @@ class Watchdog:
     def progress(self, step: int) -> None:
         """Called by the training loop whenever it gets past a point all workers must reach."""
         self.step = step
+        self._work += 1
         self._last = time.monotonic()
+        self._waiting_for = None
 
-    def alive(self) -> None:
-        """Called inside long work every rank does alike (an evaluation): progress, though no step was trained."""
+    def alive(self, *_) -> None:
+        """Called inside long work every rank does alike (an evaluation, after each layer's forward: a forward
+        post-hook, hence the ignored arguments): progress, though no step was trained."""
+        self._work += 1
         self._last = time.monotonic()
 
     def _key(self, what: str, rank: int) -> str:
@@ -104,30 +119,59 @@ class Watchdog:
                 if step != self._published:
                     self._store.add(self._key("step", self.env.rank), step - self._published)
                     self._published = step
+                work = self._work
+                if work != self._work_published:
+                    self._store.add(self._key("work", self.env.rank), work - self._work_published)
+                    self._work_published = work
         except Exception as e:  # the store lives in rank 0's process: it is gone, and so is the job
             self._exit(f"the job's key-value store stopped answering ({e}); rank 0 has probably exited")
 
     def _judge(self) -> None:
         """Separate from the heartbeat, so a store that hangs (rank 0 stopped) cannot hang the verdict too."""
+        patience = patience_for(self.timeout, self.env.backend)
         while not self._stop.wait(self.interval):
-            if time.monotonic() - self._last > self.timeout:
+            silent = time.monotonic() - self._last
+            if silent > self.timeout:
                 found: list[str] = []
-                asking = threading.Thread(target=self._who_is_quiet, args=(found,), daemon=True)
+                busy: list[int] = []
+                asking = threading.Thread(target=self._who_is_quiet, args=(found, busy), daemon=True)
                 asking.start()
                 asking.join((3 + ASK_INTERVALS) * self.interval)
-                cause = found[0] if found else "rank 0, which hosts the job's key-value store, stopped answering"
+                if busy and time.monotonic() - self._last < patience:
+                    self._wait_for(busy)
+                    continue
+                if busy:
+                    ranks = ", ".join(f"rank {r}" for r in busy)
+                    limit = f"gloo ends one at {GLOO_TIMEOUT_S:.0f} s" if self.env.backend == "gloo" else "too long"
+                    cause = (
+                        f"{ranks} still at work after {silent:.0f} s while this rank waited for it in a collective "
+                        f"({limit}): the ranks' shares of the work take too different times (a busy machine); "
+                        "lower --eval-batch-size, or give each worker its own cores"
+                    )
+                else:
+                    cause = found[0] if found else "rank 0, which hosts the job's key-value store, stopped answering"
                 self._exit(f"no progress for {self.timeout:.0f} s (--collective-timeout) at step {self.step}: {cause}")
 
-    def _who_is_quiet(self, found: list[str]) -> None:
-        """Append the verdict to found: which ranks' heartbeats stood still over three intervals."""
+    def _wait_for(self, busy: list[int]) -> None:
+        """Log once, for each set of busy ranks, that this rank waits for them."""
+        ranks = ", ".join(f"rank {r}" for r in busy)
+        if ranks != self._waiting_for:
+            self._waiting_for = ranks
+            self.log.info(f"waiting for {ranks}, still at work (no progress here for {self.timeout:.0f} s)")
 
-        def beats() -> list[int]:
-            return [self._store.add(self._key("beat", r), 0) for r in range(self.env.world_size)]
+    def _who_is_quiet(self, found: list[str], busy: list[int]) -> None:
+        """Append the verdict to found: which ranks' heartbeats stood still over three intervals; and to busy, the
+        other ranks whose work count moved meanwhile."""
 
-        before = beats()
+        def counts(what: str) -> list[int]:
+            return [self._store.add(self._key(what, r), 0) for r in range(self.env.world_size)]
+
+        before, work_before = counts("beat"), counts("work")
         time.sleep(3 * self.interval)
-        after = beats()
-        quiet = [r for r in range(self.env.world_size) if after[r] == before[r] and r != self.env.rank]
+        after, work_after = counts("beat"), counts("work")
+        others = [r for r in range(self.env.world_size) if r != self.env.rank]
+        busy.extend(r for r in others if work_after[r] != work_before[r])
+        quiet = [r for r in others if after[r] == before[r]]
         if not quiet:
             found.append("every rank is alive but the job is stuck in a collective")
             return

@@ -213,6 +213,58 @@ def test_stopped_worker_ends_the_job_within_the_timeout(tmp_path):
     assert "rank 1 (last seen at step" in summary.split("evidence:")[1] and "raise --collective-timeout" in summary
 
 
+CPU_GROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
+
+
+@contextlib.contextmanager
+def cpu_share(percent: int):
+    """A cgroup v1 cpu group that lets its processes run `percent` of one core; skips where none can be made."""
+    group = CPU_GROUPS / f"paddle_mnist_test_{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(percent * 1000))
+    except OSError as e:
+        pytest.skip(f"no cgroup v1 cpu group can be made here ({e}): the slow rank cannot be slowed")
+    try:
+        yield group
+    finally:
+        for _ in range(50):  # empty once its process has left or ended
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)
+
+
+def test_a_rank_slowed_in_its_evaluation_is_waited_for_not_taken_for_a_hang(tmp_path):
+    """Rank 1 gets 1% of a core for 22 s from the end of its last training step, through its evaluation
+    (batches of 100 images, 2,000 in all): rank 0 waits for it in the evaluation's all-reduce longer than
+    --collective-timeout, sees its work count move (a forward hook per layer) and waits on, and the job finishes.
+    Before, rank 0 said "every rank is alive but the job is stuck in a collective" and ended the job."""
+    data_dir = make_dataset(tmp_path / "mnist", n_train=2048, n_test=4000)
+    out = tmp_path / "o"
+    args = [*small_run(train_limit=2048, eval_limit=4000, batch_size=64, epochs=1, log_every=4)]
+    args += ["--data-dir", str(data_dir), "--output-dir", str(out), "--eval-batch-size", "100"]
+    cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "l")]
+    cmd += [str(TRAIN_PY), *args]
+    job = subprocess.Popen(cmd, cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with reaped(job), cpu_share(1) as group:
+        deadline = time.time() + 120
+        log1 = tmp_path / "l" / "workerlog.1"
+        while not (log1.exists() and "epoch 1 step 32/32" in log1.read_text()):
+            assert time.time() < deadline and job.poll() is None, "training did not start"
+            time.sleep(0.02)
+        pid = worker_pids(str(out))[1]
+        (group / "cgroup.procs").write_text(str(pid))
+        time.sleep(22)
+        with contextlib.suppress(OSError):  # back to the whole machine
+            (CPU_GROUPS / "cgroup.procs").write_text(str(pid))
+        assert job.wait(timeout=120) == 0, worker_log(tmp_path / "l", 0)[-2000:]
+    text = worker_log(tmp_path / "l", 0)
+    assert "waiting for rank 1, still at work (no progress here for 15 s)" in text, text[-2000:]
+    assert "no progress for" not in text and "finished" in text, text[-2000:]
+
+
 def test_failed_export_keeps_weights_and_results_and_resume_exports_again(tmp_path):
     """paddle.jit.save runs last: when it fails, model.pdparams and results.json are already written, the error
     says how to export again, and --resume yes on the finished run exports without training."""
