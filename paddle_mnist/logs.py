@@ -155,10 +155,26 @@ SIGNALLED = Failure(
     "nothing is broken: continue with --resume auto (the stop line gives the whole command); a stop during start-up "
     "had nothing to save, so just run the command again",
 )
+LAUNCHER_GONE = Failure(
+    "launcher gone",
+    "this machine's launcher went away (killed or crashed), so its workers stopped, each with a checkpoint",
+    _any(r"its launcher (\(pid \d+\) )?went away"),
+    "find out what ended the launcher (a kill by a user or the scheduler, the out-of-memory killer: dmesg -T), then "
+    "start every machine's command again with --resume auto",
+)
+# a rank that stopped with the job where another took the signal: its stop line says so (session.meet)
+SIGNAL_ECHO = Failure(
+    "another's signal",
+    "stopped with the job because another rank took a stop signal",
+    _any(r"\] stopped by SIG\w+ at step \d+ \(.*; rank \d+ took the signal"),
+    "read the log of the rank this line names",
+    echo=True,
+)
 # The failures in the order they are tried, the first that matches naming the cause. SHARED_MEMORY (a bus error)
 # comes before WATCHDOG: a worker whose signal handler hung after the bus error (see cli.py) can be ended later by
 # its own watchdog, and the bus error is the cause.
-KNOWN = (DIVERGED, LEARNED_NOTHING, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION, SIGNALLED)
+KNOWN = (DIVERGED, LEARNED_NOTHING, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION)
+KNOWN += (LAUNCHER_GONE, SIGNAL_ECHO, SIGNALLED)
 KILLED = Failure(
     "killed",
     "killed from outside without a word: most likely the kernel's out-of-memory killer (SIGKILL)",

@@ -20,11 +20,12 @@ from .state import TrainState
 from .watchdog import Watchdog
 
 
-def stopped(signum: int, step: int, where: str, saved: Path | None) -> Preempted:
+def stopped(signum: int, step: int, where: str, saved: Path | None, sender: str = "") -> Preempted:
+    """sender: who took the signal where it was another rank (Session.sender), else empty."""
     kept = f"checkpoint {saved}" if saved else "nothing trained yet, so no checkpoint"
     return Preempted(
         signum,
-        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}); {kept}; "
+        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}{sender}); {kept}; "
         f"continue with: {preempt.resume_command()}",
     )
 
@@ -150,10 +151,11 @@ class Session:
         self.eval_images = eval_images  # one evaluation's, for the estimate of the run's time
         self.first_step = state.step  # this session's: a resumed run estimates only the steps it has left
         self.clock = timing.RunClock()
+        self.sender = ""  # set by meet(): which rank took the stop signal, where this one took none
 
     def __enter__(self) -> Session:
         if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
-            raise stopped(signum, self.state.step, "before training", self.resumed)
+            raise stopped(signum, self.state.step, "before training", self.resumed, self.sender)
         self.started = time.time() - self.state.trained_before  # wall time covers every session of the run
         self.profile.begin(self.state.step)
         self.dog.__enter__()
@@ -175,14 +177,21 @@ class Session:
         return time.time() - self.started
 
     def meet(self, at_step: int) -> int:
-        """All stop if rank 0's last write failed; else the agreed stop signal (0: none)."""
+        """All stop if rank 0's last write failed; else the agreed stop signal (0: none). A rank that took none
+        learns which rank did (the highest) and whether that rank's launcher went away, for its stop line."""
+        mine = self.env.rank + 1
+        orphan = self.stop.launcher is not None and self.stop.launcher.gone()
         shared = [self.stop.signum, self.files.failure is not None, self.cadence.seconds_per_step(at_step)]
-        signum, failed, per_step = distributed.all_reduce_max_values(shared, self.env)
+        shared += [mine if self.stop.signum else 0, mine if orphan else 0]
+        signum, failed, per_step, took, orphaned = distributed.all_reduce_max_values(shared, self.env)
         if failed:
             raise WriteFailed(self.files.failure_message())
         self.cadence.plan(at_step, per_step)
         if signum:
             self.stop.explain()
+            if not self.stop.signum and took:
+                why = ", its launcher having gone away" if orphaned == took else ""
+                self.sender = f"; rank {int(took) - 1} took the signal{why}, this rank none"
         return int(signum)
 
     def average_statistics(self) -> None:
@@ -212,7 +221,7 @@ class Session:
                 self._save_mid_epoch(loss_sum, for_stop=True)
                 self.meet(state.step)  # a failed save stops every rank with the write error
             where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step))
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
 
     def estimate(self) -> str:
         """This session's time from its first step to its last epoch's end (training and evaluation; not start-up,
@@ -299,7 +308,7 @@ class Session:
         self.clock.epoch_end()
         if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
             where = f"end of epoch {row['epoch']}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step))
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
         if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True

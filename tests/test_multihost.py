@@ -9,8 +9,11 @@ the job refuses in one line (GLOO_SOCKET_IFNAME) or waits for a master nobody se
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +33,7 @@ from helpers import (
     worker_log,
 )
 
+from paddle_mnist.logs import summarise
 from scripts import restart_trials
 from scripts.netns import namespaces_problem, two_hosts, wait_all
 
@@ -190,6 +194,38 @@ def test_machine_killed_mid_epoch_then_both_relaunched_end_bitwise_equal(hosts, 
     for name in full:
         np.testing.assert_array_equal(resumed[name], full[name], err_msg=name)
     print(f"machine 0's launcher ended {ended:.1f} s after machine 1 was killed")
+
+
+def launcher_pid(host) -> int:
+    """The pid of paddle.distributed.launch on this machine."""
+    for pid in host.pids():
+        with contextlib.suppress(OSError):
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"paddle.distributed.launch" in cmd and str(TRAIN_PY).encode() in cmd:
+                return pid
+    raise AssertionError(f"no launcher on {host.hostname}")
+
+
+def test_a_machine_whose_launcher_dies_is_named_as_the_cause_on_both(hosts, data_dir, tmp_path):
+    """SIGKILL to machine 1's launcher alone: its worker stops with a checkpoint, saying its launcher went away;
+    machine 0's worker stops with it, naming rank 1 as the one that took the signal (it took none itself); and
+    paddle_mnist.logs names rank 1 first, the launcher's end as the cause."""
+    out = tmp_path / "out"
+    jobs = launch(hosts, tmp_path, out, ["--data-dir", str(data_dir)])
+    try:
+        wait_for_step(jobs, tmp_path, out, 10)
+        os.kill(launcher_pid(hosts[1]), signal.SIGKILL)
+        codes = wait_all(jobs, 60)
+    finally:
+        wait_all(jobs, 0)
+    assert codes[0] not in (None, 0) and codes[1] == -9, explain_job(codes, tmp_path)
+    ours, theirs = (worker_log(tmp_path / f"log{rank}", 0) for rank in (1, 0))
+    assert re.search(r"its launcher \(pid \d+\) went away", ours) and "stopped by SIGTERM at step" in ours, ours
+    line = next((x for x in theirs.splitlines() if "stopped by SIGTERM at step" in x), "")
+    assert "rank 1 took the signal, its launcher having gone away, this rank none" in line, theirs[-2000:]
+    summary = summarise([tmp_path / "log0", tmp_path / "log1"])
+    assert "first to stop: rank 1" in summary, summary
+    assert "cause: this machine's launcher went away" in summary and "went away" in summary.split("evidence:")[1]
 
 
 def test_restart_loops_on_both_machines_finish_the_job_after_a_kill(hosts, uninterrupted, data_dir, tmp_path):
