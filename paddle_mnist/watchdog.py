@@ -175,7 +175,9 @@ class Watchdog:
         if not quiet:
             found.append("every rank is alive but the job is stuck in a collective")
             return
-        steps = {r: self._store.add(self._key("step", r), 0) for r in quiet}
+        # published once an interval, so up to a second behind; the ranks step together, so a quiet rank got at least
+        # as far as this one's last step
+        steps = {r: max(self._store.add(self._key("step", r), 0), self.step) for r in quiet}
         who = ", ".join(f"rank {r} (last seen at step {steps[r]})" for r in quiet)
         found.append(f"{who} stopped responding (stopped, hung or cut off)")
 
