@@ -13,7 +13,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 
-from . import data, timing
+from . import data, dropout, timing
 from .config import Config
 from .distributed import (
     DistEnv,
@@ -94,7 +94,10 @@ class Epoch:
                 t1 = time.perf_counter()
                 timer.add("input_wait", t1 - t0)
                 sampled = timer if timer.wants(steps) else None
-                loss, batch_loss_sum, batch_correct, norm = train_step(state, images, labels, cfg, sampled, self.feed)
+                share = (env.rank * len(labels), env.world_size * len(labels))
+                loss, batch_loss_sum, batch_correct, norm = train_step(
+                    state, images, labels, cfg, sampled, self.feed, share
+                )
                 state.sched.step()
                 state.step += 1
                 state.batch_in_epoch += 1
@@ -185,7 +188,7 @@ def global_grad_norm(params: list) -> paddle.Tensor:
     return paddle.sqrt(paddle.add_n(squares))
 
 
-def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None):
+def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, share=None):
     """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
 
     norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
@@ -196,16 +199,22 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
     backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed at
     their boundaries and nothing else changes: DataParallel's all-reduce stays inside the last backward pass.
 
-    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU).
+    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU); share is
+    (position, total): they are places position .. of a global batch of total images, (0, len(labels)) when None.
+    The model's dropout layers draw their masks by place in the global batch (dropout.Place).
     """
     model, opt, scaler = state.model, state.opt, state.scaler
     k = cfg.accum_steps
     loss_sums, corrects = [], []
+    position, total = share or (0, len(labels))
+    drops = dropout.layers(model)
     if timer:
         timer.begin()
     for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
+        place = dropout.Place(cfg.seed, state.step, position, total)
+        position += len(y)
         with gradient_sync(model, i == k - 1):
-            with amp_context(cfg):
+            with amp_context(cfg), dropout.placed(drops, place):
                 logits = model(x)
             if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
                 logits = logits.astype("float32")

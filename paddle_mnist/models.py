@@ -10,6 +10,7 @@ import paddle.nn.functional as F
 from paddle import nn
 
 from . import onednn
+from .dropout import Dropout
 
 
 def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
@@ -263,7 +264,7 @@ class MiniGoogLeNet(nn.Layer):
         # the tutorial's 7x7 average pool covers the whole 7x7 map left of a 32x32 input; pooling globally
         # is the same there and also fits 28x28 inputs (6x6 maps)
         self.pool = nn.AdaptiveAvgPool2D(1)
-        self.dropout = nn.Dropout(0.5)
+        self.dropout = Dropout(0.5)
         self.fc = nn.Linear(channels, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
@@ -297,14 +298,14 @@ class CifarCNN(nn.Layer):
                 Conv2D(cout, cout, 3),
                 nn.ReLU(),
                 MaxPool2D(2, 2),
-                nn.Dropout(0.25),
+                Dropout(0.25),
             ]
 
         self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
         height, width = (((side - 2) // 2 - 2) // 2 for side in _sides(image_size))
         self.head_scale = head_scale(64 * height * width, 64 * 5 * 5)  # a 28x28 image's map: 64 channels of 5x5
         self.classifier = nn.Sequential(
-            nn.Linear(64 * height * width, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, num_classes)
+            nn.Linear(64 * height * width, 512), nn.ReLU(), Dropout(0.5), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:

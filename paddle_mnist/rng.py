@@ -49,7 +49,8 @@ def to_restore(saved: Sequence[dict], rank: int, world_size: int, device: str) -
         "warning: --resume: the checkpoint's random generator states do not match this job: "
         + "; ".join(notes)
         + (
-            "; those generators start from --seed, so dropout and random layers do not continue bit for bit"
+            "; those generators start from --seed (the built-in models draw nothing from them in training; a layer"
+            " of your own that does would not continue bit for bit)"
             if lacking
             else "; every generator of this job gets its own saved state back"
         )
