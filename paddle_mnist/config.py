@@ -36,6 +36,8 @@ class Recipe:
     epochs: int
     weight_decay: float
     batch_size: int = 0  # 0 = PER_WORKER_BATCH x world size
+    label_smoothing: float = 0.0
+    whiten: bool = False  # the first convolution starts as a whitening of the training patches (whiten.py)
 
 
 # The warmup is what keeps a start from stalling: at the full rate from the first step, the first updates are
@@ -46,6 +48,9 @@ RECIPES = {
     "mnist_cnn_bn_fc": Recipe(lr=0.05, warmup_epochs=0.0, epochs=8, weight_decay=5e-4),
     "minigooglenet": Recipe(lr=0.05, warmup_epochs=0.0, epochs=8, weight_decay=5e-4),
     "cifar_cnn": Recipe(lr=0.02, warmup_epochs=0.2, epochs=8, weight_decay=1e-4),
+    "cifar_fast": Recipe(
+        lr=0.2, warmup_epochs=0.5, epochs=10, weight_decay=5e-4, batch_size=256, label_smoothing=0.2, whiten=True
+    ),
 }
 RECIPE_FLAGS = tuple(f.name for f in dataclasses.fields(Recipe))
 
@@ -56,7 +61,11 @@ def recipe_table() -> str:
     lines.append(f"  {'model':<16} {'lr':>6} {'warmup':>7} {'epochs':>7} {'weight decay':>13}  batch")
     for name, r in RECIPES.items():
         batch = r.batch_size or f"{PER_WORKER_BATCH} x workers"
-        lines.append(f"  {name:<16} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}")
+        more = f", label smoothing {r.label_smoothing:g}" if r.label_smoothing else ""
+        more += ", whiten" if r.whiten else ""
+        lines.append(
+            f"  {name:<16} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}{more}"
+        )
     lines.append("A small training split trains more epochs than the table says: unless --epochs is given, the")
     lines.append(f"schedule, warmup included, is stretched to at least --min-steps ({MIN_STEPS}) optimizer steps.")
     return "\n".join(lines)
@@ -88,6 +97,7 @@ class Config:
     amp: str = "off"
     momentum: float = 0.9
     label_smoothing: float = 0.0
+    whiten: bool = False  # the first convolution starts as a whitening of the training images' patches
     weight_decay: float = 5e-4
     clip_grad_norm: float = 0.0  # largest global gradient norm, after the all-reduce (0: no clipping)
     ema: float = 0.0  # decay of the weights' moving average, evaluated and saved when on (0: off)
@@ -252,8 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--label-smoothing",
         type=float,
-        default=d.label_smoothing,
-        help="share of each training target spread evenly over all classes (0: plain cross-entropy)",
+        help="share of each training target spread evenly over all classes (0: plain cross-entropy; None: the "
+        "model's recipe, 0 but for cifar_fast)",
+    )
+    p.add_argument(
+        "--whiten",
+        action=argparse.BooleanOptionalAction,
+        help="start the first convolution as a whitening of the training images' patches (its filters the patches' "
+        "principal directions, scaled to unit variance); --no-whiten: as built (None: the model's recipe)",
     )
     p.add_argument(
         "--ema",

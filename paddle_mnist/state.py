@@ -86,12 +86,17 @@ class TrainState:
         self.untrained: dict[str, list] = {"model": [], "ema": []}  # every rank's statistics, from a stop's checkpoint
 
     @classmethod
-    def create(cls, cfg: Config, num_classes: int, image_shape: tuple, env: DistEnv, steps_per_epoch: int):
+    def create(
+        cls, cfg: Config, num_classes: int, image_shape: tuple, env: DistEnv, steps_per_epoch: int, whitening=None
+    ):
         """The same seed on every rank: the same initial weights everywhere. The schedule is planned over --epochs;
-        --max-steps only stops early, so a stopped run can be resumed exactly."""
+        --max-steps only stops early, so a stopped run can be resumed exactly. whitening: with --whiten, a function
+        that whitens the model's first convolution (whiten.whiten with the training images bound)."""
         paddle.seed(cfg.seed)
         np.random.seed(cfg.seed)
         model = build_model(cfg.model, num_classes, image_shape)
+        if whitening is not None:
+            whitening(model)
         if cfg.sync_bn:
             model = distributed.convert_sync_bn(model, env)
         planned = cfg.epochs * steps_per_epoch

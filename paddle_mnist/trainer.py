@@ -26,6 +26,7 @@ from . import (
     onednn,
     summary,
     waiting,
+    whiten,
 )
 from .checkpoint import CheckpointStore
 from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps
@@ -277,7 +278,14 @@ def train_and_evaluate(
     _log_start(cfg, env, log, ds, (train, val_split, test), threads, len(batches))
     _agree_output_dir(cfg, env, lock, log)
 
-    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches))
+    def whitening(model) -> None:
+        try:
+            log.info(whiten.whiten(model, train.images, ds.mean, ds.std))
+        except ValueError as e:
+            raise ConfigError(f"{e}: drop --whiten, or pass --no-whiten") from None
+
+    whitened = whitening if cfg.whiten else None
+    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened)
     _log_model(cfg, env, log, ds, state.model)
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
     resumed = _choose_checkpoint(store, cfg, env, log)

@@ -94,7 +94,7 @@ def test_max_pool_with_mask_takes_windows_without_a_number_as_nn_max_pool2d(fill
     np.testing.assert_array_equal(results[0][1], results[1][1])
 
 
-@pytest.mark.parametrize("name", ["cifar_cnn", "minigooglenet"])
+@pytest.mark.parametrize("name", ["cifar_cnn", "minigooglenet", "cifar_fast"])
 def test_conv_with_bias_added_by_rows_matches_nn_conv2d(name):
     """Every Conv2D and MaxPool2D of these models, run through nn.Conv2D's and nn.MaxPool2D's own forward instead,
     gives the same training step."""

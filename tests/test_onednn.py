@@ -99,8 +99,8 @@ class Counted:
 
 
 # the model, its input, and how many times a training step calls each operator: convolutions with a bias (oneDNN
-# adds it) and without, 2x2 pools of stride 2 (max_pool2x2), and minigooglenet's conv modules, 3x3 pools and
-# concatenations in the blocked layout (csrc/blocked.cc)
+# adds it) and without, 2x2 pools of stride 2 (max_pool2x2), and minigooglenet's and cifar_fast's conv modules,
+# pools and concatenations in the blocked layout (csrc/blocked.cc)
 MODELS = [
     ("mnist_cnn", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),  # its bias after the pool (conv_relu_pool)
     ("mnist_cnn_bn_fc", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),
@@ -110,6 +110,8 @@ MODELS = [
         {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2, "onednn_concat_blocked": 10},
     ),
     ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "max_pool2x2": 2}),
+    # blocked from its first module on, the global max-pool included
+    ("cifar_fast", (3, 32, 32), {"onednn_conv_bn_relu": 7, "onednn_max_pool_blocked": 3}),
 ]
 
 
