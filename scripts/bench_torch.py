@@ -5,8 +5,8 @@
 
 The images: Fashion-MNIST's 1x28x28 (--dataset fashion-mnist, the default; --models mnist_cnn, the default
 mnist_cnn_bn_fc and minigooglenet), or a class folder such as CIFAR-10's 3x32x32 (--dataset folder --data-dir DIR;
---models cifar_cnn, mnist_cnn_bn_fc and minigooglenet). For a folder the trainer reads it as a user's run does,
-from its decoded cache (DIR/.paddle_mnist-cache/<setting>/, built here first, before any timing, when there is none
+--models cifar_cnn, mnist_cnn_bn_fc and minigooglenet; cifar_fast when named). For a folder the trainer reads it
+as a user's run does, from its decoded cache (DIR/.paddle_mnist-cache/<setting>/, built here first, before any timing, when there is none
 yet), and PyTorch reads the same cache's train.npy, normalised by the same per-channel mean and std.
 
 For each model and each cell (1 worker x 1 thread, 1 worker x 2 threads, 2 workers x 1 thread) the contenders take
@@ -50,7 +50,13 @@ MOMENTUM, WEIGHT_DECAY, LR = 0.9, 5e-4, 0.01
 RATE = re.compile(r"step (\d+)/\d+ .* (\d+) img/s \(global\)")
 # (steps, per window): fewer for the slower models; every run ends inside the first epoch, also at 2 workers on
 # CIFAR-10's 45,000 training images (351 steps), since the trainer's running averages restart with each epoch
-STEPS = {"mnist_cnn": (300, 50), "mnist_cnn_bn_fc": (300, 50), "cifar_cnn": (100, 20), "minigooglenet": (24, 4)}
+STEPS = {
+    "mnist_cnn": (300, 50),
+    "mnist_cnn_bn_fc": (300, 50),
+    "cifar_cnn": (100, 20),
+    "minigooglenet": (24, 4),
+    "cifar_fast": (48, 8),
+}
 MODELS = {  # --models by --dataset
     "fashion-mnist": "mnist_cnn,mnist_cnn_bn_fc,minigooglenet",
     "folder": "cifar_cnn,mnist_cnn_bn_fc,minigooglenet",
@@ -150,6 +156,17 @@ def torch_net(name: str, shape: tuple[int, int, int]):
         head = [nn.Linear(features, 512), nn.ReLU(), nn.Dropout(0.5), nn.Linear(512, 10)]
         scale = Scaled(head_scale(features, 64 * 5 * 5))
         return nn.Sequential(*pair(channels, 32), *pair(32, 64), nn.Flatten(), scale, *head)
+    if name == "cifar_fast":
+
+        def module(cin, cout):
+            return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+
+        layers, maps = module(channels, 32), 32
+        for width in (64, 128, 256):
+            layers += [*module(maps, width), nn.MaxPool2d(2, 2), *module(width, width)]
+            maps = width
+        head = [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(maps, 10, bias=False), Scaled(1 / 8)]
+        return nn.Sequential(*layers, *head)
     if name != "minigooglenet":
         raise SystemExit(f"no PyTorch mirror of {name}: bench_torch mirrors {', '.join(STEPS)}")
 
@@ -255,6 +272,7 @@ def run_trainer(
     cmd = (launch if workers > 1 else [sys.executable]) + [str(REPO / "train.py"), *data, "--model", model]
     cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
     cmd += ["--log-every", str(window), "--eval-limit", "100", "--output-dir", str(out), "--overwrite"]
+    cmd += ["--batch-size", str(PER_WORKER * workers)]  # as PyTorch's; cifar_fast's recipe would take 256
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     log = (log_dir / "workerlog.0").read_text() if workers > 1 else proc.stdout
     if proc.returncode != 0:
