@@ -6,8 +6,9 @@
 The images: Fashion-MNIST's 1x28x28 (--dataset fashion-mnist, the default; --models mnist_cnn, the default
 mnist_cnn_bn_fc and minigooglenet), or a class folder such as CIFAR-10's 3x32x32 (--dataset folder --data-dir DIR;
 --models cifar_cnn, mnist_cnn_bn_fc and minigooglenet; cifar_fast when named). For a folder the trainer reads it
-as a user's run does, from its decoded cache (DIR/.paddle_mnist-cache/<setting>/, built here first, before any timing, when there is none
-yet), and PyTorch reads the same cache's train.npy, normalised by the same per-channel mean and std.
+as a user's run does, from its decoded cache (DIR/.paddle_mnist-cache/<setting>/, built here first, before any
+timing, when there is none yet), and PyTorch reads the same cache's train.npy, normalised by the same per-channel
+mean and std.
 
 For each model and each cell (1 worker x 1 thread, 1 worker x 2 threads, 2 workers x 1 thread) the contenders take
 turns in fresh processes, round after round, the order reversed every other round, so a slow spell of a shared
