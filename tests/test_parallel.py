@@ -61,25 +61,36 @@ def test_two_workers_equal_one_process_with_the_same_global_batch(one_and_two):
         assert b["train_acc"] == pytest.approx(a["train_acc"], abs=1e-9)
 
 
-@pytest.fixture(scope="module")
-def real_one(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("real") / "one"
-    proc = run_single([*REAL_JOB, "--output-dir", str(out)], cwd=out.parent)
+def trained_alone(tmp_path_factory, name: str, job: list[str]) -> Path:
+    """The output folder of `job` trained by one process."""
+    out = tmp_path_factory.mktemp(name) / "one"
+    proc = run_single([*job, "--output-dir", str(out)], cwd=out.parent)
     assert proc.returncode == 0, explain(proc)
     return out
+
+
+def check_launched_equals(one: Path, job: list[str], tmp_path: Path, workers: int, parameters: int) -> str:
+    """Train `job` on `workers` workers and check every weight against one process's to 1e-5; rank 0's log."""
+    args = [*job, "--output-dir", str(tmp_path / "out")]
+    proc = run_launch(args, tmp_path, tmp_path / "log", ["--nproc_per_node", str(workers)])
+    assert proc.returncode == 0, explain(proc, tmp_path / "log")
+    alone, many = weights(one / "model.pdparams"), weights(tmp_path / "out" / "model.pdparams")
+    assert alone.keys() == many.keys() and len(alone) == parameters
+    for name in alone:
+        np.testing.assert_allclose(many[name], alone[name], atol=1e-5, rtol=0, err_msg=name)
+    return worker_log(tmp_path / "log", 0)
+
+
+@pytest.fixture(scope="module")
+def real_one(tmp_path_factory) -> Path:
+    return trained_alone(tmp_path_factory, "real", REAL_JOB)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_workers_equal_one_process_on_real_mnist_with_its_default_recipe(real_one, tmp_path, workers):
     """Each image gets the same shift on any number of workers, so N workers train the one process's step."""
-    args = [*REAL_JOB, "--output-dir", str(tmp_path / "out")]
-    proc = run_launch(args, tmp_path, tmp_path / "log", ["--nproc_per_node", str(workers)])
-    assert proc.returncode == 0, explain(proc, tmp_path / "log")
-    assert "augmentation random shifts of up to 2 px" in worker_log(tmp_path / "log", 0)  # as the recipe says
-    one, many = weights(real_one / "model.pdparams"), weights(tmp_path / "out" / "model.pdparams")
-    assert one.keys() == many.keys() and len(one) == 6
-    for name in one:
-        np.testing.assert_allclose(many[name], one[name], atol=1e-5, rtol=0, err_msg=name)
+    log = check_launched_equals(real_one, REAL_JOB, tmp_path, workers, parameters=6)
+    assert "augmentation random shifts of up to 2 px" in log  # as the recipe says
 
 
 # cifar_cnn's three dropout layers on real MNIST: 6 steps, before a unit of its 512-wide hidden layer near 0 takes
@@ -91,23 +102,14 @@ DROPOUT_JOB += ["--train-limit", "3000", "--eval-limit", "600", "--seed", "7"]
 
 @pytest.fixture(scope="module")
 def dropout_one(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dropout") / "one"
-    proc = run_single([*DROPOUT_JOB, "--output-dir", str(out)], cwd=out.parent)
-    assert proc.returncode == 0, explain(proc)
-    return out
+    return trained_alone(tmp_path_factory, "dropout", DROPOUT_JOB)
 
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_workers_drop_what_one_process_drops(dropout_one, tmp_path, workers):
     """Each image's dropout masks are drawn by its place in the global batch (paddle_mnist.dropout): with
     paddle.nn.Dropout the same runs ended 0.041 (2 workers) and 0.058 (3) apart."""
-    args = [*DROPOUT_JOB, "--output-dir", str(tmp_path / "out")]
-    proc = run_launch(args, tmp_path, tmp_path / "log", ["--nproc_per_node", str(workers)])
-    assert proc.returncode == 0, explain(proc, tmp_path / "log")
-    one, many = weights(dropout_one / "model.pdparams"), weights(tmp_path / "out" / "model.pdparams")
-    assert one.keys() == many.keys() and len(one) == 12
-    for name in one:
-        np.testing.assert_allclose(many[name], one[name], atol=1e-5, rtol=0, err_msg=name)
+    check_launched_equals(dropout_one, DROPOUT_JOB, tmp_path, workers, parameters=12)
 
 
 def test_worker_logs_are_rank_tagged(one_and_two):
