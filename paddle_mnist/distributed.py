@@ -16,6 +16,7 @@ import paddle.distributed as dist
 from . import preflight, safeload
 from .launch import (
     LaunchError,
+    check_gpu_kernels,
     check_gpu_request,
     gpu_flag,
     gpu_request_problem,
@@ -63,6 +64,8 @@ def setup() -> DistEnv:
     # the launcher sets FLAGS_selected_gpus for each worker; ParallelEnv reads it back
     device = f"gpu:{dist.ParallelEnv().device_id}" if use_gpu else "cpu"
     paddle.set_device(device)
+    if use_gpu:
+        check_gpu_kernels(device)
     backend = "none" if world == 1 else os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if use_gpu else "gloo")
     return DistEnv(rank, world, local_rank, local_size, backend, device)
 

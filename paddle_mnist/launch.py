@@ -81,6 +81,36 @@ def gpu_shortfall(local_workers: int, visible_gpus: int) -> str | None:
     )
 
 
+def no_kernel_problem(error: BaseException, name: str, capability: tuple[int, int] | None) -> str | None:
+    """The one-line message for a Paddle build that has no GPU code for this card, or None for other errors.
+
+    PyPI's paddlepaddle-gpu 2.6.2 carries machine code for compute capability 6.1 to 8.6 and no PTX, so on a 9.0
+    card (H100, H200) its first kernel fails with CUDA error 209 (docs/results.md, the GPU section)."""
+    text = str(error)
+    if "no kernel image" not in text and "error(209)" not in text:
+        return None
+    card = f"{name} (compute capability {capability[0]}.{capability[1]})" if capability else name
+    return (
+        f"this Paddle build ({paddle.__version__}) has no GPU code for {card}: CUDA answered 'no kernel image'; "
+        "install a paddlepaddle-gpu build that lists this card's architecture, from Paddle's own package index "
+        "(https://www.paddlepaddle.org.cn/install, CUDA 12 builds include 9.0), or train on the CPU with "
+        "CUDA_VISIBLE_DEVICES= set empty"
+    )
+
+
+def check_gpu_kernels(device: str) -> None:
+    """Start one tiny kernel on `device` now, so that a build without code for this card stops at once with
+    one line instead of a C++ trace at the first layer."""
+    try:
+        (paddle.ones([2]) + 1).numpy()
+    except Exception as error:  # Paddle raises OSError on 2.6 and RuntimeError kinds on 3.x
+        capability = device_capability(device)
+        problem = no_kernel_problem(error, paddle.device.cuda.get_device_name(device), capability)
+        if problem:
+            raise LaunchError(problem) from error
+        raise
+
+
 def _env_int(*names: str, default: int, environ: Mapping[str, str] | None = None) -> int:
     environ = os.environ if environ is None else environ
     for name in names:

@@ -79,3 +79,18 @@ def test_amp_problem(amp, device, capability, refused):
         assert problem is None
     else:
         assert refused in problem and "\n" not in problem
+
+
+def test_a_build_without_code_for_the_card_is_named_with_the_fix():
+    """Paddle 2.6's own text for CUDA error 209, as paddlepaddle-gpu 2.6.2 gives it on an H100 (the GPU section of
+    docs/results.md); any other error is left to surface as it is."""
+    error = OSError("(External) CUDA error(209), no kernel image is available for execution on the device. ")
+    message = launch.no_kernel_problem(error, "NVIDIA H100 80GB HBM3", (9, 0))
+    assert "has no GPU code for NVIDIA H100 80GB HBM3 (compute capability 9.0)" in message
+    assert "paddlepaddle.org.cn" in message and "CUDA_VISIBLE_DEVICES=" in message
+    assert launch.no_kernel_problem(RuntimeError("out of memory"), "NVIDIA H100 80GB HBM3", (9, 0)) is None
+
+
+def test_the_kernel_probe_passes_where_kernels_run():
+    """The probe the trainer runs on a GPU at start, here on the CPU: it must not raise where the op runs."""
+    launch.check_gpu_kernels("cpu")
