@@ -278,8 +278,10 @@ def evaluate(
     cfg: Config,
     env: DistEnv,
     alive: Callable[..., None] | None = None,
+    tta: bool = False,
 ) -> EvalStats:
-    """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once.
+    """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once. tta: with
+    cfg's test-time augmentation (--tta, --tta-shift), else each image once.
 
     alive: called after every layer's forward (the watchdog's, so that a long evaluation is not taken for a hang,
     and another rank waiting for this one in the all-reduce sees it at work however large the batch).
@@ -289,7 +291,7 @@ def evaluate(
     shard = data.eval_shard(len(split), env.rank, env.world_size)
     hooks = [layer.register_forward_post_hook(alive) for layer in net.sublayers()] if alive else []
     try:
-        sums = _score_shard(net, split, ds, cfg, shard)
+        sums = _score_shard(net, split, ds, cfg, shard, tta)
     finally:
         for hook in hooks:
             hook.remove()
@@ -297,16 +299,31 @@ def evaluate(
     return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))
 
 
-def _score_shard(net: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, shard: range) -> np.ndarray:
+def tta_logits(net: paddle.nn.Layer, x: paddle.Tensor, shift: bool) -> paddle.Tensor:
+    """The mean output over the image and its mirror image; with shift, the pair counts half and the other half
+    goes to the pair moved 1 px up-left and the pair moved 1 px down-right (edges reflected)."""
+    pair = (net(x) + net(paddle.flip(x, axis=[3]))) / 2
+    if not shift:
+        return pair
+    h, w = x.shape[2], x.shape[3]
+    padded = F.pad(x, [1, 1, 1, 1], mode="reflect")
+    moved = 0
+    for at in (0, 2):
+        view = padded[:, :, at : at + h, at : at + w]
+        moved = moved + (net(view) + net(paddle.flip(view, axis=[3]))) / 4
+    return (pair + moved) / 2
+
+
+def _score_shard(
+    net: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, shard: range, tta: bool = False
+) -> np.ndarray:
     """(correct, summed loss, count) over the shard's images, batch by batch."""
     sums = np.zeros(3)
     for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
         idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
         images, labels = next(data.batches(split, ds, [idx]))
         x, y = paddle.to_tensor(images), paddle.to_tensor(labels)
-        logits = net(x)
-        if cfg.tta:  # the mirror image's output counts as much as the image's own
-            logits = (logits + net(paddle.flip(x, axis=[3]))) / 2
+        logits = tta_logits(net, x, cfg.tta_shift) if tta and cfg.tta else net(x)
         sums += (
             float((logits.argmax(axis=1) == y).astype("int64").sum()),
             float(F.cross_entropy(logits, y, reduction="sum")),

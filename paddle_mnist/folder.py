@@ -229,8 +229,16 @@ def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:
     Without val/, each class's val_split share of train/ (rounded, its files first by Entry.key) is held out for
     validation: a choice made from the paths alone, the same on every worker, every resume and every --seed. A
     class keeps at least one training image: at most all but one of its files are held out (none of a single one).
+    With val_split 0 nothing is held out, and test/ (which must exist) is scored after each epoch.
     """
     plan = {split: sorted(entries, key=lambda e: e.key) for split, entries in listing.splits.items()}
+    if "val" not in plan and val_split == 0:  # nothing held out: test/ is scored after each epoch
+        if "test" not in plan:
+            raise DataError(
+                f"{listing.root}: --val-split 0 holds nothing out of train/, and there is no test/ to score each "
+                "epoch on; add a test/ (or val/) folder, or pass --val-split 0.1"
+            )
+        return plan
     if "val" not in plan:
         by_class = collections.defaultdict(list)
         for entry in plan["train"]:
@@ -691,8 +699,11 @@ def load(listing: Listing, request: Request, cache: Path | None) -> tuple[data.D
         images = np.load(cache / f"{name}.npy", mmap_mode="r")
         return data.Split(images, np.load(cache / f"{name}-labels.npy"))
 
-    train, val = split("train"), split("val")
-    test = split("test") if "test" in manifest["counts"] else val
+    counts = manifest["counts"]
+    train = split("train")
+    val = split("val") if "val" in counts else None  # None: --val-split 0, and the folder has a test/
+    test = split("test") if "test" in counts else val
+    val = test if val is None else val
     asymmetry = manifest.get("mirror_asymmetry")
     if asymmetry is None:  # a cache built before it was measured
         asymmetry = augment.mirror_asymmetry(train.images, train.labels)

@@ -233,8 +233,8 @@ class Session:
         if clock.ends:
             per_end = clock.end_seconds / clock.ends
             rates = f"{timing.step_text(per_step)} a step, {timing.duration_text(per_end)} an evaluation so far"
-        else:  # forward passes only, twice with --tta, sharded like training
-            per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST * (2 if cfg.tta else 1)
+        else:  # forward passes only, sharded like training (--tta scores only the final test)
+            per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST
             guessed = timing.duration_text(per_end)
             rates = f"{timing.step_text(per_step)} a step so far, an evaluation guessed at {guessed}"
         left = steps_left * per_step + ends * per_end

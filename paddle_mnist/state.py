@@ -32,7 +32,12 @@ def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup
     # Paddle clips before it adds the weight decay, as torch.nn.utils.clip_grad_norm_ does before the step
     clip = paddle.nn.ClipGradByGlobalNorm(cfg.clip_grad_norm) if cfg.clip_grad_norm else None
     opt = paddle.optimizer.Momentum(
-        learning_rate=sched, momentum=cfg.momentum, parameters=model.parameters(), weight_decay=decay, grad_clip=clip
+        learning_rate=sched,
+        momentum=cfg.momentum,
+        parameters=model.parameters(),
+        use_nesterov=cfg.nesterov,
+        weight_decay=decay,
+        grad_clip=clip,
     )
     return opt, sched
 

@@ -102,9 +102,11 @@ def _log_start(
         f" = {cfg.lr} x {cfg.batch_size}/{cfg.reference_batch} (linear scaling)" if cfg.lr_scaling == "linear" else ""
     )
     warmup = f", warmup {cfg.warmup_epochs:g} epochs" if cfg.warmup_epochs else ""
+    nesterov = " (Nesterov)" if cfg.nesterov else ""
     log.info(
         f"batch: {per_worker} per worker{micro}, {cfg.batch_size} global; "
-        f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), momentum {cfg.momentum}, weight decay {cfg.weight_decay}, "
+        f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), momentum {cfg.momentum}{nesterov}, "
+        f"weight decay {cfg.weight_decay}, "
         f"epochs {cfg.epochs}{_stretched_text(cfg, len(train), steps_per_epoch)}"
         + (f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "")
         + (f", amp {cfg.amp}" if cfg.amp != "off" else "")
@@ -347,7 +349,8 @@ def _finish(
     than chance."""
     net = distributed.unwrap(state.scored)
     files.save_weights(net)
-    final = last_eval if last_eval is not None and ds.val_is_test else engine.evaluate(net, test, ds, cfg, env)
+    reuse = last_eval is not None and ds.val_is_test and not cfg.tta  # the epochs' scores are plain (no TTA)
+    final = last_eval if reuse else engine.evaluate(net, test, ds, cfg, env, tta=True)
     verdict = session.verdict(final.acc, chance.AccuracyLevel.of(test.labels, len(ds.classes)))
     peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log
     best = state.best

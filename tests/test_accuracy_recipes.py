@@ -78,10 +78,37 @@ def test_tta_scores_the_mean_of_each_image_and_its_mirror(fashion_dir):
     with paddle.no_grad():
         mean_logits = ((net(x) + net(paddle.to_tensor(images[..., ::-1].copy()))) / 2).numpy()
     expected = float((mean_logits.argmax(axis=1) == labels).mean())
-    got = evaluate(net, ds.test, ds, config.Config(tta=True, eval_batch_size=16), ONE)
-    plain = evaluate(net, ds.test, ds, config.Config(eval_batch_size=16), ONE)
+    cfg = config.Config(tta=True, eval_batch_size=16)
+    got = evaluate(net, ds.test, ds, cfg, ONE, tta=True)
+    plain = evaluate(net, ds.test, ds, cfg, ONE)  # the scores after each epoch: no TTA, even with --tta
     assert got.acc == expected and got.count == len(ds.test)
     assert got.loss != plain.loss  # the mirror images did change the outputs
+    assert plain == evaluate(net, ds.test, ds, config.Config(eval_batch_size=16), ONE, tta=True)
+
+
+def test_tta_shift_adds_the_pairs_moved_one_pixel_each_way(fashion_dir):
+    """Six views: the image and its mirror at half the weight, the pair moved 1 px up-left and the pair moved 1 px
+    down-right (edge rows and columns reflected) at a quarter each."""
+    paddle.seed(3)
+    net = MnistCNN()
+    ds = data.load_dataset("fashion-mnist", str(fashion_dir))
+    images, labels = next(data.batches(ds.test, ds, [np.arange(len(ds.test))]))
+    padded = np.pad(images, [(0, 0), (0, 0), (1, 1), (1, 1)], mode="reflect")
+    up_left, down_right = padded[..., :-2, :-2], padded[..., 2:, 2:]
+
+    def pair(a):
+        return net(paddle.to_tensor(a.copy())) + net(paddle.to_tensor(a[..., ::-1].copy()))
+
+    with paddle.no_grad():
+        mean_logits = (pair(images) / 4 + pair(up_left) / 8 + pair(down_right) / 8).numpy()
+    expected = float((mean_logits.argmax(axis=1) == labels).mean())
+    cfg = config.Config(tta=True, tta_shift=True, eval_batch_size=16)
+    got = evaluate(net, ds.test, ds, cfg, ONE, tta=True)
+    assert got.acc == expected
+    flips = evaluate(net, ds.test, ds, config.Config(tta=True, eval_batch_size=16), ONE, tta=True)
+    assert got.loss != flips.loss
+    with pytest.raises(config.ConfigError, match="--tta-shift adds moved views to --tta's: add --tta"):
+        config.parse_args(["--dataset", "fashion-mnist", "--tta-shift"])
 
 
 @pytest.fixture(scope="module")

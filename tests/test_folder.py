@@ -237,6 +237,18 @@ def test_hold_out_is_stratified_and_fixed_by_the_paths(tmp_path, fashion):
         folder.plan_splits(listing, 0.05)
 
 
+def test_val_split_0_trains_on_all_of_train_and_scores_test_each_epoch(tmp_path, fashion):
+    """The record recipe's hold-out: none. test/ then serves as validation, as for the built-in datasets."""
+    root = make_folder(tmp_path / "d", fashion, train=8, test=2)
+    ds, manifest = build(root, request(val_split=0.0))
+    assert len(ds.train) == 32 and len(ds.test) == 8 and ds.val_is_test
+    assert set(manifest["counts"]) == {"train", "test"}
+    held, _ = build(root, request(val_split=0.25))  # another cache, the default hold-out's
+    assert len(held.train) == 24 and len(held.val) == 8 and not held.val_is_test
+    with pytest.raises(DataError, match="--val-split 0 holds nothing out of train/, and there is no test/ to score"):
+        folder.plan_splits(folder.list_folder(make_folder(tmp_path / "e", fashion, train=8)), 0.0)
+
+
 def test_hold_out_keeps_a_training_image_in_every_class(tmp_path, fashion):
     """0.75 of 2 images rounds to 2: the whole class would go to validation; a class of one image keeps it."""
     root = make_folder(tmp_path / "d", fashion, train=2)
@@ -521,6 +533,7 @@ def test_folder_flags(tmp_path):
         (["--image-size", "64"], "--image-size applies to --dataset folder only"),
         (["--dataset", "folder"], "--dataset folder needs --data-dir"),
         ([*base, "--val-split", "1"], "--val-split is a share"),
+        ([*base, "--val-split", "-0.1"], "--val-split is a share of train/ from 0"),
         ([*base, "--tta"], "add --flip if a mirror keeps the class"),
     ]:
         with pytest.raises(ConfigError, match=message):

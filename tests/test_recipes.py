@@ -108,6 +108,34 @@ def test_warmup_then_linear_decay_to_zero():
     np.testing.assert_allclose(lrs[10:101], np.linspace(0.2, 0.0, 91), atol=1e-9)  # poly, power 1: peak -> 0
 
 
+def test_nesterov_is_the_look_ahead_step_of_the_cifar_fast_recipe():
+    """Two steps of make_optimizer on w^2/2 (gradient w), lr 0.1, momentum 0.9: plain momentum moves w by the
+    velocity, Nesterov by the gradient plus momentum times the new velocity."""
+    from paddle_mnist.state import make_optimizer
+
+    assert config.parse_args(["--model", "cifar_fast"]).nesterov
+    assert not config.parse_args(["--model", "cifar_fast", "--no-nesterov"]).nesterov
+    assert not config.parse_args([]).nesterov and config.parse_args(["--nesterov"]).nesterov
+
+    def two_steps(nesterov: bool) -> float:
+        layer = paddle.nn.Linear(1, 1, bias_attr=False)
+        layer.weight.set_value(np.ones((1, 1), np.float32))
+        cfg = config.Config(lr=0.1, momentum=0.9, weight_decay=0.0, lr_schedule="constant", nesterov=nesterov)
+        opt, _ = make_optimizer(cfg, layer, total_steps=10)
+        for _ in range(2):
+            (layer.weight**2 / 2).sum().backward()
+            opt.step()
+            opt.clear_grad()
+        return float(layer.weight.numpy()[0, 0])
+
+    v1, w1 = 1.0, 1.0 - 0.1 * 1.0  # plain: v = 0.9 v + g; w -= lr v
+    v2 = 0.9 * v1 + w1
+    assert two_steps(False) == pytest.approx(w1 - 0.1 * v2, rel=1e-6)
+    n1 = 1.0 - 0.1 * (1.0 + 0.9 * 1.0)  # Nesterov: w -= lr (g + 0.9 v)
+    m2 = 0.9 * 1.0 + n1
+    assert two_steps(True) == pytest.approx(n1 - 0.1 * (n1 + 0.9 * m2), rel=1e-6)
+
+
 def test_accumulation_must_split_the_batch_evenly():
     cfg = config.parse_args(["--batch-size", "100", "--accum-steps", "4"])
     with pytest.raises(

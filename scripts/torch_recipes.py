@@ -1,0 +1,412 @@
+"""Search cifar_fast's recipe on a GPU, in PyTorch: many short CIFAR-10 trainings side by side.
+
+The trainer's record attempts (90% on CIFAR-10 in 30 minutes on two CPU cores) take 25-30 minutes each; a GPU
+runs the same network and recipe in seconds. This script mirrors the trainer's `cifar_fast` (models.CifarFast,
+whiten.py, the recipe in config.py: SGD momentum, linear warmup then linear decay, label smoothing, 2 px shifts
+and flips, flip TTA) in PyTorch, and trains variants of it, several at once on one GPU, on the CIFAR-10 JPEG copy.
+What it finds is a lead: a variant is adopted only after the trainer itself has run it on the CPU.
+
+    python -m scripts.torch_recipes prepare ../shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz /tmp/cifar.npz
+    python -m scripts.torch_recipes search /tmp/cifar.npz --out runs.jsonl --budget 400 --workers 4
+
+`prepare` needs Pillow; `search` needs only PyTorch and numpy. Phase 1 trains each change to the base recipe
+alone (3 seeds); phase 2 combines the changes that helped, at several widths and epoch counts. Each run appends
+one JSON line: the variant, the seed, the test accuracy after each epoch, the final one with the variant's TTA,
+the training FLOPs per image and the seconds it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import math
+import os
+import sys
+import tarfile
+import time
+
+import numpy as np
+
+BASE = {
+    "widths": (64, 128, 256),
+    "stem": 32,
+    "epochs": 10,
+    "batch": 256,
+    "lr": 0.2,
+    "momentum": 0.9,
+    "nesterov": False,
+    "wd": 5e-4,
+    "warmup": 0.5,
+    "smoothing": 0.2,
+    "whiten": True,
+    "shift": 2,
+    "flip": "random",  # or "alternate": each image flipped on every other epoch
+    "tta": "flip",  # "none", "flip", or "shift": flip plus 1 px shifts
+    "ema": 0.0,  # decay per step of an average of the weights, evaluated instead of them (0: off)
+    "val": 0.1,  # share of the training images held out, as the trainer's folder --val-split does
+    "act": "relu",
+    "bn_momentum": 0.1,  # PyTorch's convention; Paddle's 0.9 is this
+    "logit_scale": 1 / 8,
+}
+
+# phase 1: each change alone, against BASE
+CHANGES = {
+    "val0": {"val": 0.0},
+    "tta_shift": {"tta": "shift"},
+    "ema99": {"ema": 0.99},
+    "ema998": {"ema": 0.998},
+    "nesterov": {"nesterov": True},
+    "alt_flip": {"flip": "alternate"},
+    "gelu": {"act": "gelu"},
+    "shift4": {"shift": 4},
+    "shift1": {"shift": 1},
+    "ls0.1": {"smoothing": 0.1},
+    "ls0.3": {"smoothing": 0.3},
+    "lr0.1": {"lr": 0.1},
+    "lr0.4": {"lr": 0.4},
+    "batch512": {"batch": 512, "lr": 0.4},
+    "batch128": {"batch": 128, "lr": 0.1},
+    "wd1e-3": {"wd": 1e-3},
+    "wd2.5e-4": {"wd": 2.5e-4},
+    "bn0.4": {"bn_momentum": 0.4},
+    "mom0.85": {"momentum": 0.85, "nesterov": True},
+    "warmup1": {"warmup": 1.0},
+    "stem64": {"stem": 64},
+    "nowhiten": {"whiten": False},
+    "ep12": {"epochs": 12},
+    "w64-256-256_ep7": {"widths": (64, 256, 256), "epochs": 7},
+    "w64-192-256_ep8": {"widths": (64, 192, 256), "epochs": 8},
+    "w96-192-256_ep8": {"widths": (96, 192, 256), "epochs": 8},
+    "w64-128-384_ep9": {"widths": (64, 128, 384), "epochs": 9},
+}
+SEEDS = (0, 1, 2)
+
+
+def train_flops(widths: tuple[int, ...], stem: int, side: int = 32) -> float:
+    """Multiply-adds x 2 x 3 (forward and backward) per image of the convolutions and the classifier."""
+    macs, channels = side * side * 3 * stem * 9, stem
+    for width in widths:
+        macs += side * side * channels * width * 9
+        side //= 2
+        macs += side * side * width * width * 9
+        channels = width
+    return 6.0 * (macs + channels * 10)
+
+
+def prepare(archive: str, out: str, limit: int = 0) -> None:
+    """Decode the archive's train/ and test/ class folders (every `limit`-th image of each split only, if given)."""
+    from PIL import Image
+
+    images: dict[str, list] = {"train": [], "test": []}
+    labels: dict[str, list] = {"train": [], "test": []}
+    with tarfile.open(archive) as tar:
+        members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith(".jpg")), key=lambda m: m.name)
+        classes = sorted({m.name.split("/")[1] for m in members})
+        if limit:
+            members = members[:: max(len(members) // limit, 1)]
+        for m in members:
+            split, name = m.name.split("/")[:2]
+            with Image.open(io.BytesIO(tar.extractfile(m).read())) as image:
+                images[split].append(np.asarray(image.convert("RGB"), np.uint8))
+            labels[split].append(classes.index(name))
+    np.savez(
+        out,
+        **{f"{s}_x": np.stack(images[s]).transpose(0, 3, 1, 2) for s in images},
+        **{f"{s}_y": np.asarray(labels[s], np.int64) for s in labels},
+    )
+    print(f"{out}: {len(images['train'])} training and {len(images['test'])} test images, {len(classes)} classes")
+
+
+@dataclasses.dataclass
+class Task:
+    name: str
+    seed: int
+    recipe: dict
+
+
+def run(task: Task, data: dict, device: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    r, seed = task.recipe, task.seed
+    torch.manual_seed(seed)
+    gen = np.random.default_rng(seed)
+    x_all, y_all = data["train_x"], data["train_y"]
+    held = np.zeros(len(y_all), bool)
+    if r["val"]:
+        for c in range(10):
+            where = np.flatnonzero(y_all == c)
+            held[where[: int(len(where) * r["val"])]] = True
+    x_tr, y_tr = x_all[~held], y_all[~held]
+    mean = x_tr.reshape(len(x_tr), 3, -1).mean(axis=(0, 2)) / 255
+    std = x_tr.reshape(len(x_tr), 3, -1).std(axis=(0, 2)) / 255
+    m = torch.tensor(mean, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32, device=device).view(1, 3, 1, 1)
+    xt = torch.tensor(x_tr, device=device)
+    yt = torch.tensor(y_tr, device=device)
+    xe = torch.tensor(data["test_x"], device=device)
+    ye = torch.tensor(data["test_y"], device=device)
+
+    act = nn.GELU if r["act"] == "gelu" else nn.ReLU
+
+    def module(cin: int, cout: int) -> nn.Sequential:
+        conv = nn.Conv2d(cin, cout, 3, padding=1)
+        nn.init.normal_(conv.weight, 0, math.sqrt(2 / (cin * 9)))  # Paddle's Conv2D default
+        nn.init.zeros_(conv.bias)
+        return nn.Sequential(conv, nn.BatchNorm2d(cout, momentum=r["bn_momentum"]), act())
+
+    layers, channels = [module(3, r["stem"])], r["stem"]
+    for width in r["widths"]:
+        layers += [module(channels, width), nn.MaxPool2d(2), module(width, width)]
+        channels = width
+    fc = nn.Linear(channels, 10, bias=False)
+    nn.init.xavier_uniform_(fc.weight)  # Paddle's Linear default
+    model = nn.Sequential(*layers, nn.AdaptiveMaxPool2d(1), nn.Flatten(), fc).to(device)
+    model = model.to(memory_format=torch.channels_last)
+
+    if r["whiten"]:  # whiten.py: principal directions of 3x3 patches of 2,000 images, sign-flipped repeats
+        taken = np.linspace(0, len(x_tr) - 1, 2000).round().astype(np.int64)
+        patches = ((torch.tensor(x_tr[taken], device=device).float() / 255 - m) / s).unfold(2, 3, 1).unfold(3, 3, 1)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 27).double()
+        cov = torch.cov(patches.T)
+        var, vec = torch.linalg.eigh(cov)
+        order = torch.argsort(var, descending=True)
+        w = vec[:, order].T / torch.sqrt(var[order].clamp(min=0) + 5e-4)[:, None]
+        w = torch.cat([w, -w] * (-(-r["stem"] // 54)))[: r["stem"]]
+        with torch.no_grad():
+            model[0][0].weight.copy_(w.float().view(r["stem"], 3, 3, 3))
+            model[0][0].bias.zero_()
+
+    steps_per_epoch = len(x_tr) // r["batch"]  # the trainer drops the last partial batch
+    total = int(round(r["epochs"] * steps_per_epoch))
+    warm = int(round(r["warmup"] * steps_per_epoch))
+    opt = torch.optim.SGD(
+        model.parameters(), lr=r["lr"], momentum=r["momentum"], nesterov=r["nesterov"], weight_decay=r["wd"]
+    )
+
+    def lr_at(step: int) -> float:
+        if step < warm:
+            return r["lr"] * step / warm
+        return r["lr"] * max(0.0, 1 - (step - warm) / max(total - warm, 1))
+
+    ema = None
+    if r["ema"]:
+        ema = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
+
+    def evaluate(tta: str) -> float:
+        live = [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())] if ema else None
+        if ema:
+            with torch.no_grad():
+                for t, e in zip(list(model.parameters()) + list(model.buffers()), ema):
+                    t.copy_(e)
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for lo in range(0, len(ye), 1000):
+                x = ((xe[lo : lo + 1000].float() / 255 - m) / s).contiguous(memory_format=torch.channels_last)
+                views = [x]
+                if tta in ("flip", "shift"):
+                    views.append(x.flip(3))
+                if tta == "shift":
+                    padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+                    for a, b in ((0, 0), (2, 2)):
+                        v = padded[:, :, a : a + 32, b : b + 32]
+                        views += [v, v.flip(3)]
+                weights = [1.0] * len(views) if tta != "shift" else [0.25, 0.25] + [0.125] * 4
+                logits = sum(w * model(v).float().softmax(1) for w, v in zip(weights, views))
+                correct += (logits.argmax(1) == ye[lo : lo + 1000]).sum().item()
+        model.train()
+        if ema:
+            with torch.no_grad():
+                for t, keep in zip(list(model.parameters()) + list(model.buffers()), live):
+                    t.copy_(keep)
+        return correct / len(ye)
+
+    start = time.perf_counter()
+    step, accs = 0, []
+    flip_mask = torch.tensor(gen.random(len(x_tr)) < 0.5, device=device)
+    epoch = 0
+    while step < total:
+        order = torch.tensor(gen.permutation(len(x_tr)), device=device)
+        for b in range(steps_per_epoch):
+            if step >= total:
+                break
+            idx = order[b * r["batch"] : (b + 1) * r["batch"]]
+            x = xt[idx]
+            n = len(idx)
+            if r["shift"]:
+                p = r["shift"]
+                padded = F.pad(x, (p, p, p, p))
+                oy = torch.randint(0, 2 * p + 1, (n,), device=device)
+                ox = torch.randint(0, 2 * p + 1, (n,), device=device)
+                rows = (oy[:, None] + torch.arange(32, device=device))[:, None, :, None]
+                cols = (ox[:, None] + torch.arange(32, device=device))[:, None, None, :]
+                x = padded[
+                    torch.arange(n, device=device)[:, None, None, None],
+                    torch.arange(3, device=device)[None, :, None, None],
+                    rows,
+                    cols,
+                ]
+            if r["flip"] == "random":
+                flip = torch.rand(n, device=device) < 0.5
+            else:
+                flip = flip_mask[idx] ^ bool(epoch % 2)
+            x = torch.where(flip[:, None, None, None], x.flip(3), x)
+            x = ((x.float() / 255 - m) / s).contiguous(memory_format=torch.channels_last)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step)
+            logits = model(x) * r["logit_scale"]
+            loss = F.cross_entropy(logits, yt[idx], label_smoothing=r["smoothing"])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            if ema is not None:
+                with torch.no_grad():
+                    for t, e in zip(list(model.parameters()) + list(model.buffers()), ema):
+                        if t.dtype.is_floating_point:
+                            e.lerp_(t, 1 - r["ema"])
+                        else:
+                            e.copy_(t)
+        epoch += 1
+        accs.append(round(evaluate("none"), 4))
+    final = round(evaluate(r["tta"]), 4)
+    flops = train_flops(tuple(r["widths"]), r["stem"])
+    return {
+        "name": task.name,
+        "seed": seed,
+        "final": final,
+        "accs": accs,
+        "train_images": int(total * r["batch"]),
+        "train_tflop": round(flops * total * r["batch"] / 1e12, 1),
+        "seconds": round(time.perf_counter() - start, 1),
+        "recipe": {k: v for k, v in r.items() if BASE.get(k) != v},
+    }
+
+
+def worker(tasks, results, path: str, device: str) -> None:
+    import torch
+
+    torch.backends.cudnn.benchmark = True
+    data = dict(np.load(path))
+    while (task := tasks.get()) is not None:
+        try:
+            results.put(run(task, data, device))
+        except Exception as error:  # a broken variant is reported, not fatal to the search
+            results.put({"name": task.name, "seed": task.seed, "error": repr(error)})
+
+
+def search(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    tasks, results = ctx.Queue(), ctx.Queue()
+    device = "cuda" if args.device == "auto" and _cuda() else ("cpu" if args.device == "auto" else args.device)
+    procs = [ctx.Process(target=worker, args=(tasks, results, args.data, device)) for _ in range(args.workers)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.budget
+    out = open(args.out, "a")
+    done: list[dict] = []
+
+    def phase(named: dict[str, dict], seeds) -> list[dict]:
+        queued = 0
+        for seed in seeds:
+            for name, change in named.items():
+                tasks.put(Task(name, seed, {**BASE, **args.override, **change}))
+                queued += 1
+        got = []
+        while len(got) < queued:
+            left = deadline + args.grace - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                res = results.get(timeout=min(left, 30))
+            except Exception:
+                continue
+            got.append(res)
+            out.write(json.dumps(res) + "\n")
+            out.flush()
+            print(json.dumps(res), flush=True)
+        return got
+
+    def mean_of(rows: list[dict], name: str) -> float | None:
+        found = [r["final"] for r in rows if r["name"] == name and "final" in r]
+        return sum(found) / len(found) if found else None
+
+    if args.variants:  # named variants of BASE, and nothing else
+        done += phase(args.variants, args.seeds)
+        first = {}
+    else:
+        first = {"base": {}, **{k: v for k, v in CHANGES.items() if not args.only or k in args.only}}
+        done += phase(first, args.seeds)
+    base = mean_of(done, "base")
+    helped = sorted(
+        (name for name in first if name != "base" and (mean_of(done, name) or 0) > (base or 1) + 0.001),
+        key=lambda name: -mean_of(done, name),
+    )
+    print(f"phase 1: base {base}; helped: {helped}", flush=True)
+    if first and time.monotonic() < deadline and helped:
+        kept = {}
+        for name in helped:
+            change = CHANGES[name]
+            if "widths" in change or "epochs" in change:
+                continue  # sizes are combined below, not stacked
+            kept.update(change)
+        second = {}
+        for label, size in (
+            ("w64-128-256", {}),
+            ("w64-128-256_ep12", {"epochs": 12}),
+            ("w64-192-256_ep8", {"widths": (64, 192, 256), "epochs": 8}),
+            ("w64-256-256_ep7", {"widths": (64, 256, 256), "epochs": 7}),
+            ("w96-192-256_ep8", {"widths": (96, 192, 256), "epochs": 8}),
+        ):
+            second[f"combined_{label}"] = {**kept, **size}
+        print(f"phase 2: {kept}", flush=True)
+        done += phase(second, args.seeds)
+    for _ in procs:
+        tasks.put(None)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.terminate()
+    return 0
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    prep = verbs.add_parser("prepare", help="decode the JPEG archive into one .npz of uint8 arrays")
+    prep.add_argument("archive")
+    prep.add_argument("out")
+    prep.add_argument("--limit", type=int, default=0, help="about this many images in all (a rehearsal)")
+    find = verbs.add_parser("search", help="train the variants, several at once")
+    find.add_argument("data")
+    find.add_argument("--out", default="runs.jsonl")
+    find.add_argument("--budget", type=float, default=400, help="seconds after which no run is started")
+    find.add_argument("--grace", type=float, default=60, help="seconds the last runs may take past the budget")
+    find.add_argument("--workers", type=int, default=4)
+    find.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    find.add_argument("--only", nargs="*", default=[], help="phase 1's changes to run (all when not given)")
+    find.add_argument("--override", type=json.loads, default={}, help='JSON applied to every run, e.g. {"epochs":1}')
+    find.add_argument("--device", default="auto")
+    find.add_argument("--variants", type=json.loads, default=None, help='JSON {"name": {changes}, ...} to run alone')
+    args = parser.parse_args(argv)
+    if args.verb == "prepare":
+        prepare(args.archive, args.out, args.limit)
+        return 0
+    return search(args)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
