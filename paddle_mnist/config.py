@@ -111,7 +111,7 @@ class Config:
     weight_decay: float = 5e-4
     clip_grad_norm: float = 0.0  # largest global gradient norm, after the all-reduce (0: no clipping)
     ema: float = 0.0  # decay of the weights' moving average, evaluated and saved when on (0: off)
-    tta: bool = False  # the final test score averages each image's output with its mirror image's
+    tta: bool = False  # the final test score (each epoch's too with target_acc) averages image and mirror image
     tta_shift: bool = False  # with tta: also with the image and its mirror moved 1 px both ways (6 views)
     target_acc: float = 0.0  # end the run at the first evaluation at least this accurate (0: train every epoch)
     seed: int = 42
@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="test-time augmentation: the final test score averages the outputs of each image and its mirror image "
         "(datasets whose classes are mirror-symmetric: fashion-mnist, cifar10, a folder with --flip); the scores "
-        "after each epoch stay plain, at half the cost",
+        "after each epoch do so too only with --target-acc, which judges them",
     )
     p.add_argument(
         "--tta-shift",

@@ -233,8 +233,9 @@ class Session:
         if clock.ends:
             per_end = clock.end_seconds / clock.ends
             rates = f"{timing.step_text(per_step)} a step, {timing.duration_text(per_end)} an evaluation so far"
-        else:  # forward passes only, sharded like training (--tta scores only the final test)
-            per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST
+        else:  # forward passes only, sharded like training; --tta's views each epoch only with --target-acc
+            views = (6 if cfg.tta_shift else 2) if cfg.tta and cfg.target_acc else 1
+            per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST * views
             guessed = timing.duration_text(per_end)
             rates = f"{timing.step_text(per_step)} a step so far, an evaluation guessed at {guessed}"
         left = steps_left * per_step + ends * per_end

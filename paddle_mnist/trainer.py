@@ -326,10 +326,17 @@ def train_and_evaluate(
             for _ in epoch:
                 session.after_step(epoch.loss_sum)
             session.average_statistics()
-            val = engine.evaluate(state.scored, val_split, ds, cfg, env, session.dog.alive)
+            # --tta costs two to six passes: it scores every epoch only where --target-acc judges them
+            val = engine.evaluate(state.scored, val_split, ds, cfg, env, session.dog.alive, tta=tta_each_epoch(cfg))
             if session.end_epoch(epoch.stats, val):
                 break
     return _finish(cfg, env, log, state=state, files=files, session=session, ds=ds, test=test, last_eval=val)
+
+
+def tta_each_epoch(cfg: Config) -> bool:
+    """Whether the scores after each epoch use --tta's views too: only where --target-acc compares them with the
+    target; otherwise only the final test score does, at two to six times a plain score's cost."""
+    return cfg.tta and bool(cfg.target_acc)
 
 
 def _finish(
@@ -349,7 +356,7 @@ def _finish(
     than chance."""
     net = distributed.unwrap(state.scored)
     files.save_weights(net)
-    reuse = last_eval is not None and ds.val_is_test and not cfg.tta  # the epochs' scores are plain (no TTA)
+    reuse = last_eval is not None and ds.val_is_test and (tta_each_epoch(cfg) or not cfg.tta)
     final = last_eval if reuse else engine.evaluate(net, test, ds, cfg, env, tta=True)
     verdict = session.verdict(final.acc, chance.AccuracyLevel.of(test.labels, len(ds.classes)))
     peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log

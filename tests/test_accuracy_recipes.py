@@ -111,6 +111,21 @@ def test_tta_shift_adds_the_pairs_moved_one_pixel_each_way(fashion_dir):
         config.parse_args(["--dataset", "fashion-mnist", "--tta-shift"])
 
 
+@pytest.mark.slow
+def test_tta_scores_the_final_test_and_each_epoch_only_where_a_target_judges_it(fashion_dir, tmp_path):
+    """Fashion-MNIST's test split is its validation split. Without --target-acc the epochs' scores are plain and
+    the final score is --tta's (another loss); with it, every epoch is scored with --tta and the last is reused."""
+    args = ["--data-dir", str(fashion_dir), "--epochs", "1", "--train-limit", "1024", "--eval-limit", "500"]
+    args += ["--augment", "--tta", "--log-every", "0"]
+    for target, same in ((None, False), ("0.999", True)):
+        out = tmp_path / f"target{target}"
+        more = ["--target-acc", target] if target else []
+        proc = run_single([*args, *more, "--output-dir", str(out)], cwd=tmp_path)
+        assert proc.returncode == 0, explain(proc)
+        last, result = read_metrics(out)[-1], read_results(out)
+        assert (result["test_loss"] == last["val_loss"]) is same, (target, result["test_loss"], last["val_loss"])
+
+
 @pytest.fixture(scope="module")
 def four_epochs(fashion_dir, tmp_path_factory):
     """(the arguments, the output folder) of one 4-epoch run, for the tests that read its rows."""
