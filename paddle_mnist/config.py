@@ -461,6 +461,12 @@ _FOLDER_FLAGS = {
 }
 
 
+def tta_each_epoch(cfg: Config) -> bool:
+    """Whether the scores after each epoch use --tta's views too: only where --target-acc compares them with the
+    target; otherwise only the final test score does, at two to six times a plain score's cost."""
+    return cfg.tta and bool(cfg.target_acc)
+
+
 def tta_problem(cfg: Config) -> str | None:
     """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does."""
     if not cfg.tta:

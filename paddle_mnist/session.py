@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from . import chance, checkpoint, distributed, engine, preempt, timing
-from .config import Config, profile_window
+from .config import Config, profile_window, tta_each_epoch
 from .distributed import DistEnv
 from .log import memory_mb
 from .outputs import BEST_WEIGHTS, RunFiles, WriteFailed
@@ -234,7 +234,7 @@ class Session:
             per_end = clock.end_seconds / clock.ends
             rates = f"{timing.step_text(per_step)} a step, {timing.duration_text(per_end)} an evaluation so far"
         else:  # forward passes only, sharded like training; --tta's views each epoch only with --target-acc
-            views = (6 if cfg.tta_shift else 2) if cfg.tta and cfg.target_acc else 1
+            views = (6 if cfg.tta_shift else 2) if tta_each_epoch(cfg) else 1
             per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST * views
             guessed = timing.duration_text(per_end)
             rates = f"{timing.step_text(per_step)} a step so far, an evaluation guessed at {guessed}"

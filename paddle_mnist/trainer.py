@@ -29,7 +29,7 @@ from . import (
     whiten,
 )
 from .checkpoint import CheckpointStore
-from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps
+from .config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_each_epoch
 from .distributed import DistEnv
 from .lock import RunLock
 from .log import memory_mb
@@ -331,12 +331,6 @@ def train_and_evaluate(
             if session.end_epoch(epoch.stats, val):
                 break
     return _finish(cfg, env, log, state=state, files=files, session=session, ds=ds, test=test, last_eval=val)
-
-
-def tta_each_epoch(cfg: Config) -> bool:
-    """Whether the scores after each epoch use --tta's views too: only where --target-acc compares them with the
-    target; otherwise only the final test score does, at two to six times a plain score's cost."""
-    return cfg.tta and bool(cfg.target_acc)
 
 
 def _finish(

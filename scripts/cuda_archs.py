@@ -83,8 +83,9 @@ def survey(image) -> dict:
     return {"containers": total, "counts": counts, "bytes": sizes}
 
 
-def runs_on(counts: collections.Counter, capability: int) -> str:
-    """Whether a container set with these entries can run on `capability` (e.g. 90): 'sass', 'ptx-jit' or 'no'."""
+def runs_on(counts, capability: int) -> str:
+    """Whether a container whose entries are these (kind, arch) pairs runs on `capability` (e.g. 90): 'sass',
+    'ptx-jit' or 'no'."""
     major = capability // 10
     if any(kind == 2 and arch // 10 == major and arch <= capability for kind, arch in counts):
         return "sass"
@@ -117,10 +118,9 @@ def inspect(paths: list[Path], capabilities: list[int]) -> None:
                 mb = found["bytes"][kind, arch] / 1e6
                 print(f"  {KINDS.get(kind, kind)} sm_{arch}: {counts[kind, arch]} entries, {mb:.1f} MB")
             # a kernel group runs only if its own container has code for the card: judge per container
+            groups = [{(e[0], e[1]) for e in entries} for _, _, entries in containers(image, *fatbin_section(image))]
             for capability in capabilities:
-                verdicts: collections.Counter = collections.Counter()
-                for _, _, entries in containers(image, *fatbin_section(image)):
-                    verdicts[runs_on(collections.Counter((e[0], e[1]) for e in entries), capability)] += 1
+                verdicts: collections.Counter = collections.Counter(runs_on(g, capability) for g in groups)
                 shown = ", ".join(f"{verdict} {n}" for verdict, n in sorted(verdicts.items()))
                 print(f"  compute capability {capability / 10:.1f}: containers {shown}")
 
