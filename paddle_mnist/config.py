@@ -52,7 +52,7 @@ RECIPES = {
     "cifar_fast": Recipe(
         lr=0.4,
         warmup_epochs=0.5,
-        epochs=9,
+        epochs=10,
         weight_decay=5e-4,
         batch_size=256,
         label_smoothing=0.1,
