@@ -14,7 +14,7 @@ from .dropout import Dropout
 
 
 def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
-    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, 3 to 10x faster.
+    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.
 
     Paddle's CPU kernels broadcast a (1, C, 1, 1) bias along a slow path; a trailing (C, 1) takes the fast one, for
     the add and for its gradient (docs/performance.md). The 0s in reshape keep the batch size as it comes, so the
@@ -185,8 +185,8 @@ def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
 class ConvModule(nn.Sequential):
     """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this).
 
-    blocked(x) is the same in training by oneDNN (onednn.conv_bn_relu), its input NCHW or blocked by onednn.BLOCK
-    channels and its output blocked (csrc/blocked.cc).
+    blocked(x) is the same by oneDNN (onednn.conv_bn_relu in training, onednn.conv_relu_folded in evaluation), its
+    input NCHW or blocked by onednn.BLOCK channels and its output blocked (csrc/blocked.cc).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
@@ -198,7 +198,9 @@ class ConvModule(nn.Sequential):
         )
 
     def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
-        return onednn.conv_bn_relu(x, self[0], self[1])
+        if self.training:
+            return onednn.conv_bn_relu(x, self[0], self[1])
+        return onednn.conv_relu_folded(x, self[0], self[1])  # by the running statistics
 
 
 class Inception(nn.Layer):
@@ -268,14 +270,14 @@ class MiniGoogLeNet(nn.Layer):
         self.fc = nn.Linear(channels, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if self.training and onednn.blocks(x):
+        if onednn.blocks_now(self, x):
             x = self.blocked_features(x)
         else:
             x = paddle.flatten(self.pool(self.features(x)), 1)
         return self.fc(self.dropout(x))
 
     def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
-        """paddle.flatten(self.pool(self.features(x)), 1) in training by oneDNN, the maps blocked by onednn.BLOCK
+        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, the maps blocked by onednn.BLOCK
         channels between the first conv module and the global average pool (every width here is a multiple of 16): no
         reorder around each convolution, and batch norm, ReLU, the max-pools and the concatenations on every
         thread (docs/performance.md)."""
@@ -318,8 +320,9 @@ class CifarFast(nn.Layer):
     global max-pool and a linear classifier whose outputs are scaled down (a temperature: the network learns faster
     than with the raw outputs under label smoothing).
 
-    Every width is a multiple of 16, so in training it runs blocked by onednn.BLOCK channels from the first module's
-    output to the global pool, as MiniGoogLeNet does (blocked_features): no reorder around any convolution.
+    Every width is a multiple of 16, so in training and in evaluation without gradients it runs blocked by
+    onednn.BLOCK channels from the first module's output to the global pool, as MiniGoogLeNet does
+    (blocked_features): no reorder around any convolution.
     """
 
     WIDTHS = (64, 128, 256)
@@ -345,18 +348,18 @@ class CifarFast(nn.Layer):
         self.fc = nn.Linear(channels, num_classes, bias_attr=False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if self.training and onednn.blocks(x):
+        if onednn.blocks_now(self, x):
             x = self.blocked_features(x)
         else:
             x = paddle.flatten(self.pool(self.features(x)), 1)
         return self.fc(x) * self.LOGIT_SCALE
 
     def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
-        """paddle.flatten(self.pool(self.features(x)), 1) in training by oneDNN, on maps blocked by onednn.BLOCK."""
+        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, on maps blocked by onednn.BLOCK."""
         for layer in self.features:
             x = onednn.max_pool_blocked(x, 2, 2) if isinstance(layer, MaxPool2D) else layer.blocked(x)
         n, cb, h, w, b = x.shape
-        if h == w:  # oneDNN's pool over the whole map: Paddle's gradient of max takes a fifth of the step
+        if h == w:  # oneDNN's pool over the whole map: Paddle's CPU gradient of max is slow (docs/results.md)
             return onednn.max_pool_blocked(x, h, h).reshape([n, cb * b])  # [N, C/B, 1, 1, B] -> channel b * B + i
         # over H*W as one axis: Paddle 3.3.1's CPU gradient of max over axes [2, 3] of a 5-D tensor is garbage
         return x.reshape([n, cb, h * w, b]).max(2).flatten(1)  # [N, C/B, B] -> [N, C]: channel b * B + i

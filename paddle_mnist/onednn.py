@@ -194,6 +194,11 @@ def _compile(folder: Path, include: Path, libs: Path) -> None:
         raise Unavailable(f"the build failed: {tail[:300]}")
 
 
+def _say(text: str) -> None:
+    """A line on stderr before the worker's log exists: a first build takes a minute and must not look hung."""
+    print(f"{time.strftime('%H:%M:%S')} oneDNN operators: {text}", file=sys.stderr, flush=True)
+
+
 def build(root: Path | None = None) -> tuple[Path, float | None]:
     """The built library's path, and the seconds this call spent building it (None: found built).
 
@@ -214,9 +219,14 @@ def build(root: Path | None = None) -> tuple[Path, float | None]:
     except OSError as e:
         raise Unavailable(f"cannot write the build cache {root}: {e.strerror} (set PADDLE_MNIST_CACHE)") from None
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        try:  # released when the file closes, also if this process dies
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"another process on this machine is building them into {folder}; waiting for it")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         if intact(folder):  # another worker built it while this one waited
             return folder / f"{NAME}.so", None
+        _say(f"building them for this machine into {folder}, once (a minute or more; later runs load them)")
         started = time.perf_counter()
         scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
@@ -315,8 +325,8 @@ def check_max_pool(ops) -> None:
 def check_blocked(ops) -> None:
     """The blocked operators (csrc/blocked.cc) against Paddle's layers: a conv module on an NCHW image and on a
     blocked map (3x3, stride 2, unpadded: oneDNN's right padding is then negative), outputs, every gradient and the
-    running statistics; the concatenation of two blocked maps, to the bit; and the 3x3 max-pool of stride 2 on a
-    map of odd side."""
+    running statistics in training, outputs in evaluation; the concatenation of two blocked maps, to the bit; and
+    the 3x3 max-pool of stride 2 on a map of odd side."""
     from paddle import nn
 
     image, blocked_map = paddle.randn([2, 3, 9, 9]), paddle.randn([2, 32 // BLOCK, 9, 9, BLOCK])
@@ -338,6 +348,14 @@ def check_blocked(ops) -> None:
             # the convolution's bias gradient is 0 but for rounding (batch norm subtracts the mean): compared to 1
             if a.shape != e.shape or not np.allclose(a, e, rtol=CHECK_RTOL, atol=CHECK_ATOL * max(np.abs(e).max(), 1)):
                 raise Unavailable(f"its conv module's {name} differs from Paddle's layers' (stride {stride})")
+        norm._mean.set_value(paddle.randn([32]))
+        norm._variance.set_value(paddle.rand([32]) + 0.5)
+        norm.eval()
+        with paddle.no_grad():
+            got = unblock(conv_relu_folded(x, conv, norm, ops)).numpy()
+            expected = F.relu(norm(conv(unblock(x) if x.ndim == 5 else x))).numpy()
+        if got.shape != expected.shape or not np.allclose(got, expected, rtol=CHECK_RTOL, atol=CHECK_ATOL):
+            raise Unavailable(f"its conv module in evaluation differs from Paddle's layers' (stride {stride})")
     other = paddle.randn([2, 1, 9, 9, BLOCK])
     got = _output_and_grads(lambda: unblock(concat_blocked(blocked_map, other, ops)), blocked_map, other)
     want = _output_and_grads(lambda: paddle.concat([unblock(blocked_map), unblock(other)], axis=1), blocked_map, other)
@@ -441,6 +459,12 @@ def blocks(x: paddle.Tensor) -> bool:
     return runs(x)
 
 
+def blocks_now(layer: paddle.nn.Layer, x: paddle.Tensor) -> bool:
+    """Whether a network of conv modules runs x blocked: in training (conv_bn_relu), and in evaluation without
+    gradients (conv_relu_folded), where the operators run (blocks(x))."""
+    return blocks(x) and (layer.training or not paddle.is_grad_enabled())
+
+
 @paddle.jit.not_to_static
 def conv_bn_relu(
     x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None, block: int | None = None
@@ -470,6 +494,21 @@ def conv_bn_relu(
         paddle.assign(norm._mean * m + mean * (1 - m), norm._mean)
         paddle.assign(norm._variance * m + variance * (1 - m), norm._variance)
     return out
+
+
+@paddle.jit.not_to_static
+def conv_relu_folded(
+    x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None, block: int | None = None
+) -> paddle.Tensor:
+    """relu(norm(conv(x))) in evaluation, by oneDNN: batch norm by its running statistics, folded into the
+    convolution's weights and bias, ReLU as the convolution's post-op; x NCHW or blocked, the output blocked as
+    conv_bn_relu's. No gradient: for where paddle.no_grad() holds (blocks_now)."""
+    scale = norm.weight / paddle.sqrt(norm._variance + norm._epsilon)
+    weight = conv.weight * scale.reshape([-1, 1, 1, 1])
+    bias = (conv.bias - norm._mean) * scale + norm.bias
+    stride, padding = conv.geometry["stride"], conv.geometry["padding"]
+    block = x.shape[4] if x.ndim == 5 else block or BLOCK
+    return (ops or _ops).onednn_conv_relu_blocked(x, weight, bias, stride, padding, block)
 
 
 @paddle.jit.not_to_static

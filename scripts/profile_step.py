@@ -2,11 +2,13 @@
 
     python -m scripts.profile_step --model mnist_cnn                 # the trainer's network, as the trainer runs it
     python -m scripts.profile_step --model mnist_cnn --plain --no-mkl-setting   # the tutorial's layers, MKL as is
+    python -m scripts.profile_step --model cifar_fast --eval --batch 1000          # evaluation's forward pass
 
 The step is scripts/plain_loop.py's: forward, cross-entropy, backward, Momentum with L2 decay, clear_grad, on random
 batches of the dataset's shape, in one process with --threads math threads. --plain runs nn.Conv2D layers as the
 tutorial writes them (MnistCNN(plain=True); for the other models every Conv2D through nn.Conv2D's own forward).
---no-mkl-setting leaves MKL's kernel choice as it is, instead of the trainer's (paddle_mnist/cpu.py).
+--no-mkl-setting leaves MKL's kernel choice as it is, instead of the trainer's (paddle_mnist/cpu.py). --eval times
+and profiles the evaluation's step instead: the network in eval mode, forward only, without gradients.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--conv-backend", default="auto", choices=("auto", "onednn", "paddle"), help="as the trainer's flag")
     p.add_argument("--top", type=int, default=12, help="operators listed")
+    p.add_argument("--eval", action="store_true", help="the evaluation's forward pass instead of a training step")
     args = p.parse_args()
     if not args.no_mkl_setting:
         cpu.prefer_fast_kernels()
@@ -60,7 +63,14 @@ def main() -> int:
     ys = [paddle.randint(0, 10, [args.batch]) for _ in range(4)]
 
     def step(i: int) -> None:
-        plain_loop.step(net, opt, xs[i % 4], ys[i % 4])
+        if args.eval:
+            with paddle.no_grad():
+                net(xs[i % 4])
+        else:
+            plain_loop.step(net, opt, xs[i % 4], ys[i % 4])
+
+    if args.eval:
+        net.eval()
 
     for i in range(5):
         step(i)
@@ -76,7 +86,8 @@ def main() -> int:
     prof.stop()
     mkl = os.environ.get(cpu.MKL_CODE_PATH, "unset")
     print(
-        f"{args.model}{' (plain layers)' if args.plain else ''}, batch {args.batch}, {args.threads} thread(s), "
+        f"{args.model}{' (plain layers)' if args.plain else ''}{', evaluation' if args.eval else ''}, "
+        f"batch {args.batch}, {args.threads} thread(s), "
         f"{'oneDNN' if onednn.active() else 'Paddle'} convolutions, "
         f"{cpu.MKL_CODE_PATH}={mkl}: {rate:.0f} images/s unprofiled"
     )

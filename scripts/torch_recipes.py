@@ -11,8 +11,13 @@ What it finds is a lead: a variant is adopted only after the trainer itself has 
 
 `prepare` needs Pillow; `search` needs only PyTorch and numpy. Phase 1 trains each change to the base recipe
 alone (3 seeds); phase 2 combines the changes that helped, at several widths and epoch counts. Each run appends
-one JSON line: the variant, the seed, the test accuracy after each epoch, the final one with the variant's TTA,
-the training FLOPs per image and the seconds it took.
+one JSON line: the variant, the seed, the test accuracy after each epoch and the seconds from the run's start to
+the end of that evaluation, the final accuracy with the variant's TTA, the training FLOPs and the seconds it took.
+On the CPU (`--device cpu`, threads from OMP_NUM_THREADS) one variant run alone times the recipe beside the
+trainer's record (docs/results.md):
+
+    OMP_NUM_THREADS=2 python -m scripts.torch_recipes search /tmp/cifar.npz --device cpu --workers 1 --seeds 1 \
+        --variants '{"record": {"lr": 0.4, "nesterov": true, "smoothing": 0.1, "val": 0, "epochs": 10, "tta": "shift"}}'
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ def run(task: Task, data: dict, device: str) -> dict:
     import torch.nn.functional as F
     from torch import nn
 
+    began = time.perf_counter()  # before the data's split, its statistics and the whitening, as the trainer's time_s
     r, seed = task.recipe, task.seed
     torch.manual_seed(seed)
     gen = np.random.default_rng(seed)
@@ -226,7 +232,7 @@ def run(task: Task, data: dict, device: str) -> dict:
         return correct / len(ye)
 
     start = time.perf_counter()
-    step, accs = 0, []
+    step, accs, times = 0, [], []
     flip_mask = torch.tensor(gen.random(len(x_tr)) < 0.5, device=device)
     epoch = 0
     while step < total:
@@ -273,6 +279,7 @@ def run(task: Task, data: dict, device: str) -> dict:
                             e.copy_(t)
         epoch += 1
         accs.append(round(evaluate("none"), 4))
+        times.append(round(time.perf_counter() - began, 1))
     final = round(evaluate(r["tta"]), 4)
     flops = train_flops(tuple(r["widths"]), r["stem"])
     return {
@@ -280,9 +287,11 @@ def run(task: Task, data: dict, device: str) -> dict:
         "seed": seed,
         "final": final,
         "accs": accs,
+        "times": times,  # seconds from the run's start to the end of each epoch's evaluation
         "train_images": int(total * r["batch"]),
         "train_tflop": round(flops * total * r["batch"] / 1e12, 1),
         "seconds": round(time.perf_counter() - start, 1),
+        "total_s": round(time.perf_counter() - began, 1),
         "recipe": {k: v for k, v in r.items() if BASE.get(k) != v},
     }
 

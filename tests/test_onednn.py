@@ -81,7 +81,7 @@ def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
 
 
 OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
-OPS += ("onednn_conv_bn_relu", "onednn_max_pool_blocked", "onednn_concat_blocked")
+OPS += ("onednn_conv_bn_relu", "onednn_conv_relu_blocked", "onednn_max_pool_blocked", "onednn_concat_blocked")
 
 
 class Counted:
@@ -205,6 +205,64 @@ def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module, b
     for name, a, b in zip(names, *results):
         assert a.shape == b.shape, name
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("module", MODULES, ids=[f"{m[0]}x{m[1]}-k{m[3]}s{m[4]}" for m in MODULES])
+def test_a_conv_module_in_evaluation_gives_paddles_numbers(op, module, block):
+    """onednn_conv_relu_blocked, batch norm's running statistics folded into the convolution, against Conv2D,
+    BatchNorm2D and ReLU in evaluation."""
+    cin, side, cout, kernel, stride, padding, blocked_input = module
+    paddle.seed(cin * side)
+    conv = models.Conv2D(cin, cout, kernel, stride=stride, padding=padding)
+    norm = paddle.nn.BatchNorm2D(cout)
+    for t, value in ((norm.weight, paddle.rand([cout]) + 0.5), (norm.bias, paddle.randn([cout]))):
+        t.set_value(value)
+    norm._mean.set_value(paddle.randn([cout]))
+    norm._variance.set_value(paddle.rand([cout]) + 0.1)
+    norm.eval()
+    x = paddle.randn([8, cin, side, side])
+    with paddle.no_grad():
+        ours = onednn.conv_relu_folded(blocked(x, block) if blocked_input else x, conv, norm, block=block)
+        ours = onednn.unblock(ours)
+        paddles = F.relu(norm(F.conv2d(x, conv.weight, conv.bias, stride, padding)))
+    assert ours.shape == paddles.shape
+    np.testing.assert_allclose(ours.numpy(), paddles.numpy(), rtol=1e-4, atol=1e-4 * float(paddles.abs().max()))
+
+
+# the evaluation of the models that train blocked: how many times it calls each operator
+EVALUATIONS = [
+    ("minigooglenet", {"onednn_conv_relu_blocked": 19, "onednn_max_pool_blocked": 2, "onednn_concat_blocked": 10}),
+    ("cifar_fast", {"onednn_conv_relu_blocked": 7, "onednn_max_pool_blocked": 4}),
+]
+
+
+@pytest.mark.parametrize(("name", "calls"), EVALUATIONS, ids=[e[0] for e in EVALUATIONS])
+def test_a_blocked_models_evaluation_runs_blocked_and_matches_paddles_layers(op, name, calls):
+    """In evaluation without gradients (the trainer's) the network runs blocked, batch norm folded into each
+    convolution: the outputs of Paddle's layers, after training steps have moved the running statistics. With
+    gradients on, evaluation takes Paddle's layers (the folded operator has no gradient)."""
+    paddle.seed(7)
+    net = models.build_model(name, 10, (3, 32, 32))
+    for _ in range(3):
+        F.cross_entropy(net(paddle.randn([8, 3, 32, 32]) * 2 + 0.5), paddle.randint(0, 10, [8])).backward()
+    net.eval()
+    x = paddle.randn([6, 3, 32, 32]) * 2 + 0.5
+    counted = Counted(op)
+    outputs = []
+    try:
+        for active in (True, False):
+            onednn._ops = counted if active else None
+            with paddle.no_grad():
+                outputs.append(net(x).numpy())
+        assert counted.calls == dict.fromkeys(OPS, 0) | calls
+        onednn._ops = counted
+        counted.calls = dict.fromkeys(OPS, 0)
+        net(x)  # gradients on
+        assert sum(counted.calls[k] for k in calls) == 0, counted.calls
+    finally:
+        onednn._ops = op
+    np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-4 * np.abs(outputs[1]).max())
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -405,10 +463,13 @@ def build_in(cache: Path, extra_env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def result(proc: subprocess.Popen) -> tuple[Path, float | None]:
+def result(proc: subprocess.Popen, said: list[str] | None = None) -> tuple[Path, float | None]:
+    """The library and the build's seconds a build_in process printed; its stderr appended to `said`."""
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err.decode()[-2000:]
     library, seconds = json.loads(out.decode().strip().splitlines()[-1])
+    if said is not None:
+        said.append(err.decode())
     return Path(library), seconds
 
 
@@ -416,9 +477,13 @@ def result(proc: subprocess.Popen) -> tuple[Path, float | None]:
 def test_workers_of_one_machine_build_it_once_and_a_damaged_build_is_built_again(tmp_path):
     cache = tmp_path / "cache"
     first, second = build_in(cache), build_in(cache)  # two workers starting together on an empty cache
-    (a, a_s), (b, b_s) = result(first), result(second)
+    said = []
+    (a, a_s), (b, b_s) = result(first, said), result(second, said)
     assert a == b and a.is_file()
     assert sorted([a_s is None, b_s is None]) == [False, True], (a_s, b_s)  # one built, the other waited
+    builder, waiter = said if a_s is not None else said[::-1]
+    assert "oneDNN operators: building them for this machine" in builder, builder  # before the silent minute
+    assert "is building them" in waiter and "building them for" not in waiter, waiter
     record = json.loads((a.parent / "build.json").read_text())
     assert record["build_seconds"] == round(a_s or b_s, 1) and record["paddle"] == paddle.__version__
     assert sorted(p.name for p in (cache / "onednn_conv").iterdir()) == sorted([a.parent.name, a.parent.name + ".lock"])

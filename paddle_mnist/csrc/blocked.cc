@@ -1,4 +1,4 @@
-// MiniGoogLeNet's training step in oneDNN's channel-blocked layout: Paddle custom operators with their gradient
+// MiniGoogLeNet's and cifar_fast's training steps and evaluation in oneDNN's channel-blocked layout: Paddle custom operators with their gradient
 // operators, built with the convolutions of onednn_conv.cc (paddle_mnist/onednn.py).
 //
 // oneDNN's convolution kernels run on maps blocked by channels: by 8 with AVX2 (aBcd8b: N, C/8, H, W, 8), by 16
@@ -11,11 +11,14 @@
 //   onednn_conv_bn_relu       conv module: convolution (with its bias), batch norm on the batch's statistics,
 //                             ReLU, all by oneDNN on every thread; the input NCHW (the first module) or blocked,
 //                             the output blocked, with the batch's mean and biased variance for the running averages
-//   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2)
+//   onednn_conv_relu_blocked  conv module in evaluation: the convolution with batch norm folded into its weights
+//                             and bias (by the caller), ReLU as its post-op; no gradient, no plan kept
+//   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2,
+//                             cifar_fast's 2x2/2 and its global max-pool, a window of the whole map)
 //   onednn_concat_blocked     two blocked maps joined on channels (each part holds whole blocks); its gradient is
 //                             split in place from the output's
 //
-// The global average pool is a mean over H and W (in Paddle). The primitives of a shape are kept by its first
+// MiniGoogLeNet's global average pool is a mean over H and W (in Paddle). The primitives of a shape are kept by its first
 // backward pass (PlanCache in onednn_common.h); the buffers a call needs are made for it.
 
 #include <memory>
@@ -294,6 +297,57 @@ std::vector<paddle::Tensor> ModuleBackwardFn(const paddle::Tensor& x, const padd
   return {grad_x, grad_w, grad_b, grad_gamma, grad_beta};
 }
 
+// ---- a conv module in evaluation: batch norm folded into the convolution, ReLU as its post-op ----
+
+// One forward-inference primitive per call (oneDNN's own primitive cache makes a repeated shape cheap): evaluation
+// runs at any batch size and keeps no plan of its own.
+std::vector<paddle::Tensor> InferenceForward(const paddle::Tensor& x, const paddle::Tensor& w,
+                                             const paddle::Tensor& b, int stride, int padding, int block) {
+  constexpr const char* kOp = "onednn_conv_relu_blocked";
+  check_map(x, kOp, "x");
+  PD_CHECK(valid_block(block), kOp, ": block must be 8 or 16, not ", block);
+  PD_CHECK(x.shape().size() == 4 || x.shape()[4] == block, kOp, ": x is blocked by ", x.shape().back(),
+           " channels, the output would be by ", block);
+  check_float(w, kOp, "the weight");
+  check_float(b, kOp, "the bias");
+  PD_CHECK(w.shape().size() == 4 && logical(x.shape())[1] == w.shape()[1], kOp,
+           ": the weight must be OIHW with I the input's channels");
+  const int64_t c = w.shape()[0];
+  PD_CHECK(c % block == 0, kOp, ": the output channels (", c, ") must be a multiple of the block, ", block);
+  PD_CHECK(b.shape().size() == 1 && b.shape()[0] == c, kOp, ": the bias must have one value per output channel");
+  const ModuleShape s = module_shape(x.shape(), w.shape(), stride, padding, 0.f, block);
+  const memory::desc dst = blocked(s.dst, block);
+  const memory::desc src_user = s.blocked_src ? blocked(s.src, block) : paddle_mnist::nchw(s.src);
+  dnnl::post_ops relu;
+  relu.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(relu);
+  const dnnl::convolution_forward::primitive_desc pd(
+      cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
+      s.blocked_src ? src_user : any(s.src), any(s.weights), per_channel(c), dst, s.strides, s.pad_left,
+      s.pad_right, attr);
+  const Operand src(src_user, pd.src_desc()), weights(s.weights, pd.weights_desc());
+  auto out = empty(blocked_shape(s.dst, block));
+  dnnl::convolution_forward(pd).execute(cpu_stream(), {{DNNL_ARG_SRC, src.input(x.data<float>())},
+                                                       {DNNL_ARG_WEIGHTS, weights.input(w.data<float>())},
+                                                       {DNNL_ARG_BIAS, wrap(per_channel(c), b)},
+                                                       {DNNL_ARG_DST, wrap(dst, out)}});
+  cpu_stream().wait();
+  return {out};
+}
+
+std::vector<std::vector<int64_t>> InferenceInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                      const std::vector<int64_t>& b, int stride, int padding,
+                                                      int block) {
+  const ModuleShape s = module_shape(x, w, stride, padding, 0.f, block);
+  return {blocked_shape(s.dst, block)};
+}
+
+std::vector<paddle::DataType> InferenceInferDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                                  const paddle::DataType& b) {
+  return {x};
+}
+
 // ---- max-pool of a blocked map ----
 
 struct PoolShape {
@@ -485,6 +539,14 @@ PD_BUILD_GRAD_OP(onednn_conv_bn_relu)
     .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B"), paddle::Grad("Gamma"), paddle::Grad("Beta")})
     .Attrs({"stride: int", "padding: int", "epsilon: float", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ModuleBackwardFn));
+
+PD_BUILD_OP(onednn_conv_relu_blocked)
+    .Inputs({"X", "W", "B"})
+    .Outputs({"Out"})
+    .Attrs({"stride: int", "padding: int", "block: int"})
+    .SetKernelFn(PD_KERNEL(InferenceForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(InferenceInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(InferenceInferDtype));
 
 PD_BUILD_OP(onednn_max_pool_blocked)
     .Inputs({"X"})

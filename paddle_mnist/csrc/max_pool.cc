@@ -8,8 +8,8 @@
 // through the window row by row, and the mask notes which input the gradient goes to: the first equal to the
 // output, where Paddle's backward pass puts it, or none (255) where none is (a window whose maximum is NaN). The
 // backward pass writes each input once: its output's gradient (as 0 + g, Paddle's sum, so -0 comes out +0) or 0.
-// It runs on one thread: spread over OpenMP's threads, between oneDNN's and MKL's, the whole step at 2 threads
-// ran at 40% of its speed (docs/performance.md).
+// It runs on one thread: spread over OpenMP's threads, between oneDNN's and MKL's, it slowed the whole step
+// (docs/performance.md has the measurement).
 
 #include <cfloat>
 #include <cstdint>

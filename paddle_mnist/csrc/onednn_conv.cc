@@ -64,8 +64,8 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive_with(
 
 // The weights' backward primitive. Offered the input in the layout the forward pass chose, oneDNN has a kernel for
 // a network's first convolution (few input channels) that reads it as Paddle holds it (NCHW); left to choose, it
-// picks the layout blocked by 8 channels, pads 1 channel to 8 and does 8 times the work (mnist_cnn's first layer:
-// 6.9 against 1.1 ms at 1 thread). Where that layout has no direct kernel, only im2col and a GEMM (the oneDNN 3.2
+// picks the layout blocked by 8 channels, pads 1 channel to 8 and does 8 times the work (docs/performance.md,
+// "The first layer's weight gradient"). Where that layout has no direct kernel, only im2col and a GEMM (the oneDNN 3.2
 // of Paddle 2.6) or the reference one, which loops element by element, oneDNN chooses.
 dnnl::convolution_backward_weights::primitive_desc weights_primitive(
     const Geometry& g, const dnnl::convolution_forward::primitive_desc& hint) {
