@@ -29,6 +29,7 @@ stops with the reason); paddle never builds it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import fcntl
@@ -421,6 +422,18 @@ def deactivate() -> None:
 
 def active() -> bool:
     return _ops is not None
+
+
+@contextlib.contextmanager
+def plain_layers():
+    """Paddle's own layers for every network run inside, the operators set aside for the while: for what must see
+    each layer run (the model summary's hooks), where evaluation would otherwise run blocked."""
+    global _ops
+    kept, _ops = _ops, None
+    try:
+        yield
+    finally:
+        _ops = kept
 
 
 @paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: False there

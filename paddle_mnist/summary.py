@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import paddle
 from paddle import nn
 
+from . import onednn
 from .models import build_model
 
 
@@ -67,7 +68,8 @@ def describe(model_name: str, num_classes: int, image_shape: tuple[int, int, int
     ]
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):  # paddle.summary prints its table
+        # paddle.summary prints its table; every layer must run for its row and hooks (not the blocked evaluation)
+        with onednn.plain_layers(), contextlib.redirect_stdout(printed):
             counts = paddle.summary(net, (1, *image_shape))
     finally:
         for hook in hooks:
