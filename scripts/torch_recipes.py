@@ -9,6 +9,9 @@ What it finds is a lead: a variant is adopted only after the trainer itself has 
     python -m scripts.torch_recipes prepare ../shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz /tmp/cifar.npz
     python -m scripts.torch_recipes search /tmp/cifar.npz --out runs.jsonl --budget 400 --workers 4
 
+`--base airbench` makes airbench94's network and recipe (AIRBENCH) what `--variants` change: its pieces are knobs
+of BASE, off there, so each can be tried alone or taken away (docs/results.md, "What 90% would take").
+
 `prepare` needs Pillow; `search` needs only PyTorch and numpy. Phase 1 trains each change to the base recipe
 alone (3 seeds); phase 2 combines the changes that helped, at several widths and epoch counts. Each run appends
 one JSON line: the variant, the seed, the test accuracy after each epoch and the seconds from the run's start to
@@ -54,6 +57,48 @@ BASE = {
     "act": "relu",
     "bn_momentum": 0.1,  # PyTorch's convention; Paddle's 0.9 is this
     "logit_scale": 1 / 8,
+    # airbench94's pieces (Jordan, 2024), off in BASE; AIRBENCH below switches them all on
+    "arch": "ours",  # "airbench": a frozen 2x2 whitening conv of 24 channels, GELU, groups conv-pool-BN-act-conv-BN-act
+    "conv_bias": True,  # the convolutions before batch norm carry a bias
+    "bn_scale": True,  # batch norm learns its scale; False: fixed at 1 (every conv weight is then scale-free)
+    "bn_eps": 1e-5,
+    "bias_lr": 1.0,  # batch norm biases train at this multiple of lr, with weight decay divided by it
+    "dirac": False,  # each conv's first in-channels filters start as the identity
+    "lookahead": False,  # every 5 steps the weights move to an average that ramps up over the run (airbench's)
+    "schedule": "linear",  # "linear": warmup then linear decay to 0; "triangle": 0.2 -> 1 at 23% -> 0.07
+    "pad": "zeros",  # how the training shifts pad: "zeros" (the trainer's) or "reflect"
+    "whiten_bias_epochs": 0,  # arch airbench: epochs the whitening conv's bias trains (its weight never does)
+    "whiten_width": 24,  # arch airbench: the whitening conv's channels (24: each of 12 directions and its negative)
+    "order": "airbench",  # arch airbench: "ours" puts each group's pool after the first conv's BN and activation
+}
+
+# airbench94's recipe in this script's terms: its lr 11.5 and weight decay 0.0153 per 1024 examples of a summed loss
+# with momentum 0.85 are a mean loss's lr 11.5 / (1 + 1 / 0.15) = 1.5 and weight decay 0.0153 / 7.67 / 1.5
+AIRBENCH = {
+    "arch": "airbench",
+    "widths": (64, 256, 256),
+    "epochs": 9.9,
+    "batch": 1024,
+    "lr": 1.5,
+    "momentum": 0.85,
+    "nesterov": True,
+    "wd": 0.0153 / (1 + 1 / 0.15) / 1.5,
+    "smoothing": 0.2,
+    "flip": "alternate",
+    "tta": "shift",
+    "val": 0.0,
+    "act": "gelu",
+    "bn_momentum": 0.4,
+    "logit_scale": 1 / 9,
+    "conv_bias": False,
+    "bn_scale": False,
+    "bn_eps": 1e-12,
+    "bias_lr": 64.0,
+    "dirac": True,
+    "lookahead": True,
+    "schedule": "triangle",
+    "pad": "reflect",
+    "whiten_bias_epochs": 3,
 }
 
 # phase 1: each change alone, against BASE
@@ -89,9 +134,13 @@ CHANGES = {
 SEEDS = (0, 1, 2)
 
 
-def train_flops(widths: tuple[int, ...], stem: int, side: int = 32) -> float:
+def train_flops(widths: tuple[int, ...], stem: int, side: int = 32, arch: str = "ours") -> float:
     """Multiply-adds x 2 x 3 (forward and backward) per image of the convolutions and the classifier."""
-    macs, channels = side * side * 3 * stem * 9, stem
+    if arch == "airbench":
+        side -= 1
+        macs, channels = side * side * 12 * stem, stem
+    else:
+        macs, channels = side * side * 3 * stem * 9, stem
     for width in widths:
         macs += side * side * channels * width * 9
         side //= 2
@@ -157,46 +206,105 @@ def run(task: Task, data: dict, device: str) -> dict:
     ye = torch.tensor(data["test_y"], device=device)
 
     act = nn.GELU if r["act"] == "gelu" else nn.ReLU
+    airbench = r["arch"] == "airbench"
+
+    def conv(cin: int, cout: int) -> nn.Conv2d:
+        c = nn.Conv2d(cin, cout, 3, padding=1, bias=r["conv_bias"])
+        if not airbench:  # airbench keeps PyTorch's default initialisation
+            nn.init.normal_(c.weight, 0, math.sqrt(2 / (cin * 9)))  # Paddle's Conv2D default
+        if c.bias is not None:
+            nn.init.zeros_(c.bias)
+        if r["dirac"]:
+            with torch.no_grad():
+                nn.init.dirac_(c.weight[: min(cin, cout)])
+        return c
+
+    def norm(cout: int) -> nn.BatchNorm2d:
+        bn = nn.BatchNorm2d(cout, momentum=r["bn_momentum"], eps=r["bn_eps"])
+        bn.weight.requires_grad = r["bn_scale"]
+        return bn
 
     def module(cin: int, cout: int) -> nn.Sequential:
-        conv = nn.Conv2d(cin, cout, 3, padding=1)
-        nn.init.normal_(conv.weight, 0, math.sqrt(2 / (cin * 9)))  # Paddle's Conv2D default
-        nn.init.zeros_(conv.bias)
-        return nn.Sequential(conv, nn.BatchNorm2d(cout, momentum=r["bn_momentum"]), act())
+        return nn.Sequential(conv(cin, cout), norm(cout), act())
 
-    layers, channels = [module(3, r["stem"])], r["stem"]
-    for width in r["widths"]:
-        layers += [module(channels, width), nn.MaxPool2d(2), module(width, width)]
-        channels = width
+    if airbench:
+        stem = nn.Conv2d(3, r["whiten_width"], 2, padding=0, bias=True)
+        stem.weight.requires_grad = False
+        layers, channels = [stem, act()], r["whiten_width"]
+        for width in r["widths"]:
+            if r["order"] == "ours":
+                layers += [conv(channels, width), norm(width), act(), nn.MaxPool2d(2)]
+            else:
+                layers += [conv(channels, width), nn.MaxPool2d(2), norm(width), act()]
+            layers += [conv(width, width), norm(width), act()]
+            channels = width
+    else:
+        layers, channels = [module(3, r["stem"])], r["stem"]
+        for width in r["widths"]:
+            layers += [module(channels, width), nn.MaxPool2d(2), module(width, width)]
+            channels = width
     fc = nn.Linear(channels, 10, bias=False)
     nn.init.xavier_uniform_(fc.weight)  # Paddle's Linear default
     model = nn.Sequential(*layers, nn.AdaptiveMaxPool2d(1), nn.Flatten(), fc).to(device)
     model = model.to(memory_format=torch.channels_last)
 
-    if r["whiten"]:  # whiten.py: principal directions of 3x3 patches of 2,000 images, sign-flipped repeats
-        taken = np.linspace(0, len(x_tr) - 1, 2000).round().astype(np.int64)
-        patches = ((torch.tensor(x_tr[taken], device=device).float() / 255 - m) / s).unfold(2, 3, 1).unfold(3, 3, 1)
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 27).double()
+    if r["whiten"]:  # whiten.py: principal directions of kxk patches, sign-flipped repeats (3x3 ours, 2x2 airbench)
+        k, width = (2, r["whiten_width"]) if airbench else (3, r["stem"])
+        taken = np.linspace(0, len(x_tr) - 1, 5000 if airbench else 2000).round().astype(np.int64)
+        patches = ((torch.tensor(x_tr[taken], device=device).float() / 255 - m) / s).unfold(2, k, 1).unfold(3, k, 1)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k).double()
         cov = torch.cov(patches.T)
         var, vec = torch.linalg.eigh(cov)
         order = torch.argsort(var, descending=True)
         w = vec[:, order].T / torch.sqrt(var[order].clamp(min=0) + 5e-4)[:, None]
-        w = torch.cat([w, -w] * (-(-r["stem"] // 54)))[: r["stem"]]
+        w = torch.cat([w, -w] * (-(-width // (6 * k * k))))[:width]
         with torch.no_grad():
-            model[0][0].weight.copy_(w.float().view(r["stem"], 3, 3, 3))
-            model[0][0].bias.zero_()
+            first = model[0] if airbench else model[0][0]
+            first.weight.copy_(w.float().view(width, 3, k, k))
+            if first.bias is not None:
+                first.bias.zero_()
 
     steps_per_epoch = len(x_tr) // r["batch"]  # the trainer drops the last partial batch
     total = int(round(r["epochs"] * steps_per_epoch))
     warm = int(round(r["warmup"] * steps_per_epoch))
+    biases = [
+        p
+        for name, p in model.named_parameters()
+        if p.requires_grad
+        and isinstance(dict(model.named_modules())[name.rsplit(".", 1)[0]], nn.BatchNorm2d)
+        and name.endswith("bias")
+    ]
+    others = [p for p in model.parameters() if p.requires_grad and all(p is not q for q in biases)]
     opt = torch.optim.SGD(
-        model.parameters(), lr=r["lr"], momentum=r["momentum"], nesterov=r["nesterov"], weight_decay=r["wd"]
+        [
+            {"params": others, "lr": r["lr"], "weight_decay": r["wd"], "scale": 1.0},
+            {
+                "params": biases,
+                "lr": r["lr"] * r["bias_lr"],
+                "weight_decay": r["wd"] / r["bias_lr"],
+                "scale": r["bias_lr"],
+            },
+        ],
+        lr=r["lr"],
+        momentum=r["momentum"],
+        nesterov=r["nesterov"],
     )
 
     def lr_at(step: int) -> float:
+        if r["schedule"] == "triangle":
+            return r["lr"] * float(np.interp(step, [0, int(0.23 * total), total], [0.2, 1.0, 0.07]))
         if step < warm:
             return r["lr"] * step / warm
         return r["lr"] * max(0.0, 1 - (step - warm) / max(total - warm, 1))
+
+    ahead = {k: v.detach().clone() for k, v in model.state_dict().items()} if r["lookahead"] else None
+
+    def look_ahead(decay: float) -> None:
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                if v.dtype.is_floating_point:
+                    ahead[k].lerp_(v, 1 - decay)
+                    v.copy_(ahead[k])
 
     ema = None
     if r["ema"]:
@@ -245,7 +353,7 @@ def run(task: Task, data: dict, device: str) -> dict:
             n = len(idx)
             if r["shift"]:
                 p = r["shift"]
-                padded = F.pad(x, (p, p, p, p))
+                padded = F.pad(x.float(), (p, p, p, p), mode="reflect") if r["pad"] == "reflect" else F.pad(x, (p,) * 4)
                 oy = torch.randint(0, 2 * p + 1, (n,), device=device)
                 ox = torch.randint(0, 2 * p + 1, (n,), device=device)
                 rows = (oy[:, None] + torch.arange(32, device=device))[:, None, :, None]
@@ -263,13 +371,17 @@ def run(task: Task, data: dict, device: str) -> dict:
             x = torch.where(flip[:, None, None, None], x.flip(3), x)
             x = ((x.float() / 255 - m) / s).contiguous(memory_format=torch.channels_last)
             for g in opt.param_groups:
-                g["lr"] = lr_at(step)
+                g["lr"] = lr_at(step) * g["scale"]
+            if airbench:
+                model[0].bias.requires_grad = epoch < r["whiten_bias_epochs"]
             logits = model(x) * r["logit_scale"]
             loss = F.cross_entropy(logits, yt[idx], label_smoothing=r["smoothing"])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             step += 1
+            if ahead is not None and step % 5 == 0:
+                look_ahead(0.95**5 * (step / total) ** 3)
             if ema is not None:
                 with torch.no_grad():
                     for t, e in zip(list(model.parameters()) + list(model.buffers()), ema):
@@ -280,8 +392,11 @@ def run(task: Task, data: dict, device: str) -> dict:
         epoch += 1
         accs.append(round(evaluate("none"), 4))
         times.append(round(time.perf_counter() - began, 1))
+    if ahead is not None:
+        look_ahead(1.0)
+        accs[-1] = round(evaluate("none"), 4)
     final = round(evaluate(r["tta"]), 4)
-    flops = train_flops(tuple(r["widths"]), r["stem"])
+    flops = train_flops(tuple(r["widths"]), r["whiten_width"] if airbench else r["stem"], arch=r["arch"])
     return {
         "name": task.name,
         "seed": seed,
@@ -325,7 +440,11 @@ def search(args: argparse.Namespace) -> int:
         queued = 0
         for seed in seeds:
             for name, change in named.items():
-                tasks.put(Task(name, seed, {**BASE, **args.override, **change}))
+                tasks.put(
+                    Task(
+                        name, seed, {**BASE, **(AIRBENCH if args.base == "airbench" else {}), **args.override, **change}
+                    )
+                )
                 queued += 1
         got = []
         while len(got) < queued:
@@ -408,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     find.add_argument("--only", nargs="*", default=[], help="phase 1's changes to run (all when not given)")
     find.add_argument("--override", type=json.loads, default={}, help='JSON applied to every run, e.g. {"epochs":1}')
     find.add_argument("--device", default="auto")
+    find.add_argument("--base", choices=("ours", "airbench"), default="ours", help="what --variants change")
     find.add_argument("--variants", type=json.loads, default=None, help='JSON {"name": {changes}, ...} to run alone')
     args = parser.parse_args(argv)
     if args.verb == "prepare":
