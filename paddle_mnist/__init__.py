@@ -11,11 +11,11 @@ def __getattr__(name: str):
     """paddle_mnist.Predictor and paddle_mnist.load_model, imported when first asked for, so that importing the
     package loads no Paddle."""
     if name == "Predictor":
-        from .predictor import Predictor
+        from paddle_mnist.deploy.predictor import Predictor
 
         return Predictor
     if name == "load_model":
-        from .checkpoint import load_model
+        from paddle_mnist.files.checkpoint import load_model
 
         return load_model
     raise AttributeError(f"module 'paddle_mnist' has no attribute {name!r}")

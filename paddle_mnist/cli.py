@@ -9,14 +9,18 @@ import os
 import signal
 import sys
 
-from . import chance, checkpoint, cpu, data, distributed, engine, launch, onednn, waiting
-from .config import ConfigError, parse_args, resolve_for_world
-from .launch import LaunchError
-from .lock import RunLock
-from .log import get_logger
-from .outputs import WriteFailed
-from .preempt import Preempted, StopSignals, exit_code
-from .trainer import ExportFailed, train_and_evaluate
+from paddle_mnist.config import ConfigError, parse_args, resolve_for_world
+from paddle_mnist.datasets import data
+from paddle_mnist.files import checkpoint
+from paddle_mnist.files.log import get_logger
+from paddle_mnist.files.outputs import WriteFailed
+from paddle_mnist.ops import onednn
+from paddle_mnist.runtime import cpu, distributed, launch, waiting
+from paddle_mnist.runtime.launch import LaunchError
+from paddle_mnist.runtime.lock import RunLock
+from paddle_mnist.runtime.preempt import Preempted, StopSignals, exit_code
+from paddle_mnist.training import chance, engine
+from paddle_mnist.training.trainer import ExportFailed, train_and_evaluate
 
 
 def _point_to_summary(log: logging.Logger) -> None:

@@ -1,4 +1,8 @@
-"""The run's configuration: one frozen dataclass, built from the command line and validated once."""
+"""The run's configuration: one frozen dataclass, built from the command line and validated once.
+
+Long because every flag lives here with its default, its model recipe and its check, so --help, the
+validation and config.json read one source.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import augment, dashboard
+from paddle_mnist.datasets import augment
+from paddle_mnist.files import dashboard
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")  # built in: downloaded or shipped in data/
 FOLDER = "folder"  # the user's own images (folder.py)

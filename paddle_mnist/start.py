@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_paddle()
     if line := announce(os.environ, sys.argv if argv is None else [sys.argv[0], *argv]):
         print(line, flush=True)
-    from .cli import main as run  # here, not above: importing cli loads Paddle, which must find the settings made
+    from paddle_mnist.cli import (
+        main as run,  # here, not above: importing cli loads Paddle, which must find the settings made
+    )
 
     return run(argv)

@@ -3,18 +3,18 @@ and the same loop in PyTorch.
 
     python -m scripts.bench                   # Fashion-MNIST, mnist_cnn, global batch 128, 1 and 2 workers
 
-Every contender trains the same model on the same data with the same global batch, optimizer, thread settings
-and world size, each in fresh processes (python -m paddle.distributed.launch for 2+ workers), in one run. Each
-process times a few windows after one warm-up window; the contenders take turns, round after round (the order
-reversed every other round), so that a slow spell of a shared machine falls on all of them. A contender's
-figure is the median of all its windows, in global images/s. The trainer is run exactly as users run it
-(python train.py, or under the launcher) and read from its metrics.jsonl, one short epoch per window; it runs
-twice, with the per-step timing breakdown on (its default) and off, so the cost of the breakdown shows. The
-hand-written loops (scripts/plain_loop.py) train the tutorial's layers as written (MnistCNN(plain=True));
-"bare-mkl" is the same loop with the MKL setting the trainer makes on AMD processors (paddle_mnist/cpu.py), which
-tells that lever apart from the network's faster forward. "torch" runs where PyTorch is installed (never a
-requirement) and is skipped otherwise. Writes a table, JSON (--json) and scaling.png (--plot); then measures the
-peak resident memory per worker of a short trainer run for each dataset and model (--no-memory skips that,
+Every contender trains the same model on the same data with the same global batch, optimizer, thread settings and
+world size, each in fresh processes (python -m paddle.distributed.launch for 2+ workers), in one run. Each process
+times a few windows after one warm-up window; the contenders take turns, round after round (the order reversed every
+other round), so that a slow spell of a shared machine falls on all of them. A contender's figure is the median of
+all its windows, in global images/s. The trainer is run exactly as users run it (python train.py, or under the
+launcher) and read from its metrics.jsonl, one short epoch per window; it runs twice, with the per-step timing
+breakdown on (its default) and off, so the cost of the breakdown shows. The hand-written loops
+(scripts/plain_loop.py) train the tutorial's layers as written (MnistCNN(plain=True)); "bare-mkl" is the same loop
+with the MKL setting the trainer makes on AMD processors (paddle_mnist/runtime/cpu.py), which tells that lever apart
+from the network's faster forward. "torch" runs where PyTorch is installed (never a requirement) and is skipped
+otherwise. Writes a table, JSON (--json) and scaling.png (--plot); then measures the peak resident memory per worker
+of a short trainer run for each dataset and model (--no-memory skips that,
 --memory-only does only that).
 """
 
@@ -34,9 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from paddle_mnist import cpu, data, plots
 from paddle_mnist.config import PER_WORKER_BATCH
-from paddle_mnist.download import write_mnist_json
+from paddle_mnist.datasets import data
+from paddle_mnist.datasets.download import write_mnist_json
+from paddle_mnist.files import plots
+from paddle_mnist.runtime import cpu
 from scripts.bench_input import generate_cifar_archive
 
 REPO = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 
-from paddle_mnist import cpu
+from paddle_mnist.runtime import cpu
 
 cpu.prefer_fast_kernels()  # as the trainer runs
 

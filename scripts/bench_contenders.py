@@ -27,8 +27,8 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 
-from paddle_mnist import data
-from paddle_mnist.models import MnistCNN
+from paddle_mnist.datasets import data
+from paddle_mnist.network.models import MnistCNN
 from scripts.plain_loop import DEFAULTS, optimizer, train
 
 

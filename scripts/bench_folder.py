@@ -29,8 +29,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from paddle_mnist import data, folder, plots
 from paddle_mnist.config import Config
+from paddle_mnist.datasets import data, folder
+from paddle_mnist.files import plots
 
 REPO = Path(__file__).resolve().parent.parent
 CLASSES = tuple(name.replace("/", " or ") for name in data.FASHION)  # a class name is a folder name: no slash

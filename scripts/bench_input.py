@@ -26,9 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from paddle_mnist import data, formats, models, plots
 from paddle_mnist.config import AUGMENTED_BY_DEFAULT, DATASETS, PER_WORKER_BATCH, Config
-from paddle_mnist.log import memory_mb
+from paddle_mnist.datasets import data, formats
+from paddle_mnist.files import plots
+from paddle_mnist.files.log import memory_mb
+from paddle_mnist.network import models
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ the argmax, which the trainer ran before (one process, one thread, as the traine
 
 The maps are mnist_cnn's two, at batch 64. Each figure is the median over 7 repeats of the mean of 20 calls, in
 milliseconds; the backward figure is the gradient alone (the input's gradient written afresh, nothing
-accumulated). The operator is built or found as the trainer does (paddle_mnist/onednn.py).
+accumulated). The operator is built or found as the trainer does (paddle_mnist/ops/onednn.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from paddle_mnist import cpu
+from paddle_mnist.runtime import cpu
 
 cpu.prefer_fast_kernels()  # as the trainer runs
 cpu.steady_malloc()
@@ -23,7 +23,7 @@ cpu.steady_malloc()
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 
-from paddle_mnist import onednn  # noqa: E402
+from paddle_mnist.ops import onednn  # noqa: E402
 
 SHAPES = ([64, 20, 28, 28], [64, 20, 14, 14])
 

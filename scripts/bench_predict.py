@@ -39,14 +39,14 @@ def child(contender: str, prefix: str, seconds: float, out: Path) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("GLOG_minloglevel", "2")  # before Paddle loads: no INFO lines in the table
     warnings.filterwarnings("ignore")
-    from paddle_mnist import data
+    from paddle_mnist.datasets import data
 
     images = data.load_dataset("fashion-mnist", None).test.images[:256]
     if contender == "before":
         import paddle
 
-        from paddle_mnist import export
-        from paddle_mnist.predictor import softmax
+        from paddle_mnist.deploy import export
+        from paddle_mnist.deploy.predictor import softmax
 
         paddle.base.core.set_num_threads(1)
         layer, meta = export.load_exported(prefix)
@@ -56,7 +56,7 @@ def child(contender: str, prefix: str, seconds: float, out: Path) -> None:
             with paddle.no_grad():
                 return softmax(layer(paddle.to_tensor(inputs)).numpy())
     else:
-        from paddle_mnist.predictor import Predictor
+        from paddle_mnist.deploy.predictor import Predictor
 
         probabilities = Predictor.load(prefix, backend=contender, threads=1).probabilities
 

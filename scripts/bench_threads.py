@@ -28,7 +28,7 @@ def measure(threads: int, batch: int, steps: int) -> float:
     import numpy as np
     import paddle
 
-    from paddle_mnist.models import MnistCNN
+    from paddle_mnist.network.models import MnistCNN
     from scripts import plain_loop
 
     paddle.base.core.set_num_threads(threads)

@@ -98,8 +98,8 @@ def read_idx(path: Path):
 
 def training_images(cache: str | None):
     """(uint8 images N x C x H x W, int64 labels, per-channel mean, std): Fashion-MNIST's, or the training split of
-    a folder's decoded cache (paddle_mnist/folder.py) with the mean and std its manifest holds, which the trainer
-    normalises by."""
+    a folder's decoded cache (paddle_mnist/datasets/folder.py) with the mean and std its manifest holds, which the
+    trainer normalises by."""
     import numpy as np
 
     if cache is None:
@@ -114,13 +114,13 @@ def training_images(cache: str | None):
 
 
 def head_scale(features: int, reference: int) -> float:
-    """paddle_mnist.models.head_scale: the flattened map is scaled before the first dense layer when it holds more
-    values than a 28x28 image's (here, at 32x32)."""
+    """paddle_mnist.network.models.head_scale: the flattened map is scaled before the first dense layer when it holds
+    more values than a 28x28 image's (here, at 32x32)."""
     return math.sqrt(reference / features) if features > reference else 1.0
 
 
 def torch_net(name: str, shape: tuple[int, int, int]):
-    """The layers of paddle_mnist/models.py's `name` for images of shape (channels, height, width), as PyTorch
+    """The layers of paddle_mnist/network/models.py's `name` for images of shape (channels, height, width), as PyTorch
     layers: the same convolutions, paddings, norms, pools, dropouts, dense layers and head scaling."""
     import torch
     from torch import nn
@@ -247,7 +247,8 @@ def folder_cache(data_dir: Path) -> Path:
     found, or built now (once, from this one process), so that no contender's run pays for decoding."""
     import logging
 
-    from paddle_mnist import config, folder
+    from paddle_mnist import config
+    from paddle_mnist.datasets import folder
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     cfg = config.parse_args(["--dataset", "folder", "--data-dir", str(data_dir)])

@@ -21,10 +21,14 @@ from dataclasses import dataclass
 
 import paddle
 
-from paddle_mnist import config, cpu, data, engine, onednn
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.models import MODELS
-from paddle_mnist.state import TrainState
+from paddle_mnist import config
+from paddle_mnist.datasets import data
+from paddle_mnist.network.models import MODELS
+from paddle_mnist.ops import onednn
+from paddle_mnist.runtime import cpu
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import engine
+from paddle_mnist.training.state import TrainState
 
 ONE_PROCESS = DistEnv(0, 1, 0, 1, "none", "cpu")
 WINDOW = 10  # steps averaged, as a progress line would

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from paddle_mnist import data
+from paddle_mnist.datasets import data
 
 REPO = Path(__file__).resolve().parent.parent
 TEST_IMAGES = 1000

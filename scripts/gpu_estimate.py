@@ -18,7 +18,7 @@ from paddle import nn
 from paddle.base import core
 
 from paddle_mnist.config import PER_WORKER_BATCH
-from paddle_mnist.models import build_model, count_parameters
+from paddle_mnist.network.models import build_model, count_parameters
 from scripts.plain_loop import image_shape
 
 Costs = list[tuple[int, list[str]]]  # per layer, in forward call order: (multiply-adds per image, its parameter names)

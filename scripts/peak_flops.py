@@ -18,7 +18,7 @@ import time
 
 
 def one_core(side: int, repeats: int, start, results) -> None:
-    from paddle_mnist import cpu
+    from paddle_mnist.runtime import cpu
 
     cpu.prefer_fast_kernels()  # before Paddle loads MKL, as the trainer
     import paddle

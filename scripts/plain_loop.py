@@ -8,7 +8,7 @@ import paddle
 import paddle.nn.functional as F
 
 from paddle_mnist.config import Config
-from paddle_mnist.formats import CIFAR_SHAPE
+from paddle_mnist.datasets.formats import CIFAR_SHAPE
 
 DEFAULTS = Config()  # the trainer's defaults: learning rate, momentum, weight decay
 MNIST_SHAPE = (1, 28, 28)

@@ -7,8 +7,8 @@
 The step is scripts/plain_loop.py's: forward, cross-entropy, backward, Momentum with L2 decay, clear_grad, on random
 batches of the dataset's shape, in one process with --threads math threads. --plain runs nn.Conv2D layers as the
 tutorial writes them (MnistCNN(plain=True); for the other models every Conv2D through nn.Conv2D's own forward).
---no-mkl-setting leaves MKL's kernel choice as it is, instead of the trainer's (paddle_mnist/cpu.py). --eval times
-and profiles the evaluation's step instead: the network in eval mode, forward only, without gradients.
+--no-mkl-setting leaves MKL's kernel choice as it is, instead of the trainer's (paddle_mnist/runtime/cpu.py).
+--eval times and profiles the evaluation's step instead: the network in eval mode, forward only, without gradients.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import sys
 import time
 import types
 
-from paddle_mnist import cpu
 from paddle_mnist.config import PER_WORKER_BATCH, Config
+from paddle_mnist.runtime import cpu
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=Config().model, help="a name of paddle_mnist.models.MODELS")
+    p.add_argument("--model", default=Config().model, help="a name of paddle_mnist.network.models.MODELS")
     p.add_argument("--plain", action="store_true", help="the tutorial's layers, one after another")
     p.add_argument("--no-mkl-setting", action="store_true", help="leave MKL's kernel choice alone")
     p.add_argument("--batch", type=int, default=PER_WORKER_BATCH, help="images per step")
@@ -41,7 +41,8 @@ def main() -> int:
     import paddle  # after the MKL setting, which MKL reads at its first call
     import paddle.profiler as profiler
 
-    from paddle_mnist import models, onednn
+    from paddle_mnist.network import models
+    from paddle_mnist.ops import onednn
     from scripts import plain_loop
 
     if args.model not in models.MODELS:

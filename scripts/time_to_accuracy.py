@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from paddle_mnist import plots
+from paddle_mnist.files import plots
 
 REPO = Path(__file__).resolve().parent.parent
 

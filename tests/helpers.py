@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from paddle_mnist import data, formats, plots
+from paddle_mnist.datasets import data, formats
+from paddle_mnist.files import plots
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN_PY = REPO / "train.py"
@@ -160,7 +161,7 @@ def launch_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("OMP_NUM_THREADS", None)
-    # importing paddle_mnist.predict (test_predict does, at collection) quiets Paddle's C++ INFO lines in this
+    # importing paddle_mnist.deploy.predict (test_predict does, at collection) quiets Paddle's C++ INFO lines in this
     # process's environment; the jobs a test starts log as a user's would
     env.pop("GLOG_minloglevel", None)
     return env

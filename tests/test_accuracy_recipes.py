@@ -11,11 +11,13 @@ import paddle
 import pytest
 from helpers import explain, launch_env, make_dataset, read_metrics, read_results, run_single
 
-from paddle_mnist import checkpoint, config, data
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.ema import WeightAverage, ema_decay
-from paddle_mnist.engine import evaluate
-from paddle_mnist.models import MnistCNN, build_model
+from paddle_mnist import config
+from paddle_mnist.datasets import data
+from paddle_mnist.files import checkpoint
+from paddle_mnist.network.models import MnistCNN, build_model
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training.ema import WeightAverage, ema_decay
+from paddle_mnist.training.engine import evaluate
 
 ONE = DistEnv(0, 1, 0, 1, "none", "cpu")
 

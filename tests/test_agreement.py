@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paddle_mnist import agreement
 from paddle_mnist.config import parse_args
+from paddle_mnist.training import agreement
 
 
 def facts(*argv: str, convolutions: str = "oneDNN") -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paddle_mnist import atomic
+from paddle_mnist.files import atomic
 
 
 def names(folder) -> list[str]:

@@ -13,8 +13,10 @@ import pytest
 from helpers import explain, read_metrics, read_results, run_launch, run_single, worker_log
 from PIL import Image
 
-from paddle_mnist import chance, checkpoint, data
-from paddle_mnist.logs import summarise
+from paddle_mnist.datasets import data
+from paddle_mnist.files import checkpoint
+from paddle_mnist.files.logs import summarise
+from paddle_mnist.training import chance
 
 # ---- the pure pieces ----
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from paddle_mnist import config
-from paddle_mnist.models import MODELS
+from paddle_mnist.network.models import MODELS
 
 
 def test_default_global_batch_is_64_per_worker():

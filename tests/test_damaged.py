@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import TRAIN_PY, explain, launch_env, make_dataset, run_single, small_run, worker_log
 
-from paddle_mnist import checkpoint
+from paddle_mnist.files import checkpoint
 
 ARGS = small_run(eval_limit=64, batch_size=64, epochs=2, log_every=0)  # 8 steps an epoch
 

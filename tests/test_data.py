@@ -35,7 +35,7 @@ from helpers import (
 )
 from PIL import Image
 
-from paddle_mnist import augment, data, formats
+from paddle_mnist.datasets import augment, data, formats
 
 ARCHIVE = data.CIFAR_ARCHIVE
 

@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from paddle_mnist import datafiles, download
-from paddle_mnist.formats import DataError
+from paddle_mnist.datasets import datafiles, download
+from paddle_mnist.datasets.formats import DataError
 
 
 def test_sums_are_read_in_sha256sums_format(tmp_path):

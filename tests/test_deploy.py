@@ -18,10 +18,12 @@ import pytest
 from helpers import REPO, TRAIN_PY
 from PIL import Image
 
-from paddle_mnist import Predictor, checkpoint, data, load_model
+from paddle_mnist import Predictor, load_model
 from paddle_mnist.config import Config
-from paddle_mnist.models import build_model
-from paddle_mnist.predictor import softmax
+from paddle_mnist.datasets import data
+from paddle_mnist.deploy.predictor import softmax
+from paddle_mnist.files import checkpoint
+from paddle_mnist.network.models import build_model
 
 PADDLE_3 = int(paddle.__version__.split(".")[0]) >= 3
 HAS_ONNX = PADDLE_3 and all(importlib.util.find_spec(m) for m in ("paddle2onnx", "onnxruntime"))
@@ -123,7 +125,7 @@ def test_paddle_inference_and_jit_give_the_trained_networks_probabilities(traine
 
 @pytest.mark.slow
 def test_auto_falls_back_to_jit_when_paddle_inference_cannot_take_the_export(trained, monkeypatch):
-    from paddle_mnist import predictor as predictor_module
+    from paddle_mnist.deploy import predictor as predictor_module
 
     root, test = trained
 
@@ -268,7 +270,7 @@ def test_the_onnx_backend_before_a_conversion_is_one_error_line(trained, tmp_pat
     proc = run(
         [
             "-m",
-            "paddle_mnist.predict",
+            "paddle_mnist.deploy.predict",
             "--model",
             str(fresh / "inference"),
             "--backend",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from paddle_mnist import distributed
+from paddle_mnist.runtime import distributed
 
 
 def test_the_flags_banner_is_dropped_unless_it_names_a_flag_the_user_set():

@@ -36,7 +36,7 @@ import pytest
 from helpers import REPO
 from PIL import Image
 
-from paddle_mnist import formats
+from paddle_mnist.datasets import formats
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PROGRAMS = ("python", "python3", "pip", "visualdl", "srun", "apt-get", "chromium")

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from helpers import explain, free_port, launch_env, make_dataset, make_images, write_idx
 
-from paddle_mnist.data import CIFAR_ARCHIVE, MNIST_JSON, REPO_DATA
-from paddle_mnist.download import IDX_NAMES as IDX
-from paddle_mnist.download import SUMS
-from paddle_mnist.formats import read_idx, read_mnist_json
+from paddle_mnist.datasets.data import CIFAR_ARCHIVE, MNIST_JSON, REPO_DATA
+from paddle_mnist.datasets.download import IDX_NAMES as IDX
+from paddle_mnist.datasets.download import SUMS
+from paddle_mnist.datasets.formats import read_idx, read_mnist_json
 
 pytestmark = pytest.mark.slow  # every test runs the command in a new process
 
@@ -234,7 +234,8 @@ def test_mnist_json_is_built_offline_from_the_shipped_mnist(tmp_path):
 def test_workers_that_start_together_build_mnist_json_once(tmp_path):
     """What the trainer does with --dataset mnist-json and no file yet: every worker asks, the first one builds."""
     folder = tmp_path / "mnist-json"
-    code = f"import pathlib, paddle_mnist.download as d; d.build_shipped_mnist_json(pathlib.Path({str(folder)!r}))"
+    code = "import pathlib, paddle_mnist.datasets.download as d; "
+    code += f"d.build_shipped_mnist_json(pathlib.Path({str(folder)!r}))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=launch_env(), stdout=subprocess.PIPE, text=True)
         for _ in range(2)

@@ -6,8 +6,8 @@ import numpy as np
 import paddle
 import pytest
 
-from paddle_mnist import dropout
-from paddle_mnist.models import build_model
+from paddle_mnist.network import dropout
+from paddle_mnist.network.models import build_model
 
 
 @pytest.mark.parametrize("units", [1, 7, 8, 9, 2304, 7201])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import paddle
 import pytest
 
-from paddle_mnist import engine
+from paddle_mnist.training import engine
 
 
 def gradients_with(value: float | None) -> list:

@@ -6,12 +6,16 @@ import numpy as np
 import paddle
 import pytest
 
-from paddle_mnist import checkpoint, data, distributed, export, trainer
 from paddle_mnist.config import Config
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.models import build_model
-from paddle_mnist.outputs import RunFiles
-from paddle_mnist.predictor import Predictor, normalise
+from paddle_mnist.datasets import data
+from paddle_mnist.deploy import export
+from paddle_mnist.deploy.predictor import Predictor, normalise
+from paddle_mnist.files import checkpoint
+from paddle_mnist.files.outputs import RunFiles
+from paddle_mnist.network.models import build_model
+from paddle_mnist.runtime import distributed
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import trainer
 
 
 def sync_bn_network() -> paddle.nn.Layer:

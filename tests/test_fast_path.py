@@ -14,8 +14,8 @@ import pytest
 from helpers import launch_env
 from paddle import nn
 
-from paddle_mnist import cpu
-from paddle_mnist.models import Conv2D, MaxPool2D, MnistCNN, add_channel_bias, build_model
+from paddle_mnist.network.models import Conv2D, MaxPool2D, MnistCNN, add_channel_bias, build_model
+from paddle_mnist.runtime import cpu
 
 
 def outputs_and_grads(net: nn.Layer, x: paddle.Tensor, y: paddle.Tensor, seed: int = 3):
@@ -142,7 +142,7 @@ def test_mkl_avx2_path_only_for_amd_processors_that_have_avx2_and_fma():
 # library's getenv, at MKL's first call) and as a process it starts afterwards inherits it
 SEES_MKL_SETTING = """
 import ctypes, subprocess, sys
-from paddle_mnist import cpu
+from paddle_mnist.runtime import cpu
 cpu.prefer_fast_kernels()
 libc = ctypes.CDLL(None)
 libc.getenv.restype = ctypes.c_char_p
@@ -175,7 +175,7 @@ def test_the_process_and_its_children_get_the_setting(users):
 
 MAPPED_BLOCKS = """
 import ctypes, sys
-from paddle_mnist import cpu
+from paddle_mnist.runtime import cpu
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
                 ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",

@@ -10,7 +10,8 @@ import pytest
 from helpers import explain, read_metrics, read_results, run_launch, worker_log
 from PIL import Image
 
-from paddle_mnist import config, data
+from paddle_mnist import config
+from paddle_mnist.datasets import data
 from scripts.generality import Cell, cells, choose, make_folder
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paddle_mnist import launch
+from paddle_mnist.runtime import launch
 
 
 def test_more_workers_than_gpus_is_refused_with_the_fix():

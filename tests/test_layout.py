@@ -10,21 +10,29 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "paddle_mnist"
 
 
+def module_name(path: Path) -> str:
+    """paddle_mnist/training/trainer.py -> "paddle_mnist.training.trainer"; a room's __init__.py -> the room."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
 def imports_of(path: Path) -> set[str]:
     """The package's modules that a module imports, wherever the import statement stands."""
     found = set()
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:  # from .x import y
-                found.add(node.module.split(".")[0])
-            elif node.level == 1 or node.module == "paddle_mnist":  # from . import x, y
-                found.update(a.name for a in node.names if a.name in modules)
-            elif node.module and node.module.startswith("paddle_mnist."):
-                found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("paddle_mnist"):
+            assert node.level == 0, f"{path}: a relative import (the package imports by full name)"
+            for alias in node.names:  # from paddle_mnist.training import engine: the module engine
+                name = f"{node.module}.{alias.name}"
+                found.add(name if name in MODULES else node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: a relative import (the package imports by full name)")
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("paddle_mnist."))
-    return found - {path.stem}
+            found.update(a.name for a in node.names if a.name.startswith("paddle_mnist."))
+    return found - {module_name(path)}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -65,15 +73,48 @@ def test_the_cycle_finder_finds_a_circle_through_three_modules():
 
 
 def test_no_module_of_the_package_imports_itself_round_a_circle():
-    graph = {p.stem: imports_of(p) for p in PACKAGE.glob("*.py")}
-    assert graph["cli"] >= {"trainer", "config"}, graph["cli"]  # the reader sees the package's imports
+    graph = {name: imports_of(path) for name, path in MODULES.items()}
+    cli = graph["paddle_mnist.cli"]
+    assert cli >= {"paddle_mnist.training.trainer", "paddle_mnist.config"}, cli  # the reader sees the imports
     assert cycles(graph) == []
 
 
-def test_the_layout_in_the_development_docs_names_every_module():
+def rooms() -> dict[str, set[str]]:
+    """Each subpackage of paddle_mnist and the modules it holds."""
+    return {
+        d.name: {p.stem for p in d.glob("*.py")} - {"__init__"}
+        for d in sorted(PACKAGE.iterdir())
+        if (d / "__init__.py").is_file()
+    }
+
+
+def test_every_room_says_its_job_and_no_module_is_long_without_a_reason():
+    for room in rooms():
+        assert ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())), room
+    for name, path in MODULES.items():
+        lines = path.read_text().count("\n")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert lines <= 400 or "Long because" in doc, f"{name}: {lines} lines and no reason at its top"
+
+
+def test_the_commands_at_the_top_only_forward_to_their_rooms():
+    """`python -m paddle_mnist.logs` and the rest, as the docs spell them: a few lines that run the room's main."""
+    for path in PACKAGE.glob("*.py"):
+        if path.stem in ("__init__", "start", "cli", "config"):
+            continue
+        text = path.read_text()
+        assert len(text.splitlines()) < 12, path
+        target = [n for n in MODULES if n.endswith(f".{path.stem}") and n.count(".") == 2]
+        assert target and f"from {target[0]} import main" in text, path
+
+
+def test_the_layout_in_the_development_docs_names_every_room_and_module():
     text = (ROOT / "docs" / "development.md").read_text()
     layout = text.split("## The package's layout", 1)[1].split("\n## ", 1)[0]
-    named = set(re.findall(r"`(\w+)`", layout))
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    assert modules - named == set(), "modules missing from docs/development.md's layout"
-    assert {"trainer", "launch"} <= named
+    for room, modules in rooms().items():
+        row = next((line for line in layout.splitlines() if line.startswith(f"| `{room}/`")), "")
+        assert row, f"docs/development.md's layout has no row for {room}/"
+        named = set(re.findall(r"`(\w+)`", row))
+        assert modules - named == set(), f"modules of {room}/ missing from its row"
+    top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert top - set(re.findall(r"`(\w+)`", layout)) == set(), "top-level modules missing from the layout"

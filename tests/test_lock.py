@@ -22,7 +22,7 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist.lock import LOCK_NAME, RunLock
+from paddle_mnist.runtime.lock import LOCK_NAME, RunLock
 
 ARGS = small_run(eval_limit=64, batch_size=64, log_every=1, lr=None)
 

@@ -29,11 +29,11 @@ from helpers import (
     wait_for,
 )
 
-from paddle_mnist import engine, session, timing
 from paddle_mnist.config import Config
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.log import get_logger
-from paddle_mnist.logs import LogsError, main, read_rank, summarise
+from paddle_mnist.files.log import get_logger
+from paddle_mnist.files.logs import LogsError, main, read_rank, summarise
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import engine, session, timing
 
 ARGS = small_run(train_limit=None, eval_limit=None, batch_size=64)
 
@@ -256,7 +256,7 @@ HUNG_RANK_1 = """\
 Fatal Python error: Bus error
 
 Current thread 0x00007f6f7be22b80 (most recent call first):
-  File "/work/paddle_mnist/engine.py", line 180 in train_step
+  File "/work/paddle_mnist/training/engine.py", line 180 in train_step
 12:00:32 [rank 1/2] error: the job's key-value store stopped answering (Connection reset by peer); rank 0 has probably \
 exited; ending this worker. Rerun the same command with --resume auto to continue from the last checkpoint
 """

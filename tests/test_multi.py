@@ -23,7 +23,7 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist import preflight, watchdog
+from paddle_mnist.runtime import preflight, watchdog
 from scripts.netns import Host, namespaces_problem, two_hosts
 
 ARGS = small_run(train_limit=2048, eval_limit=100, log_every=8, tutorial_cnn=False)

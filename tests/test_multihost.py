@@ -33,7 +33,7 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist.logs import summarise
+from paddle_mnist.files.logs import summarise
 from scripts import restart_trials
 from scripts.netns import namespaces_problem, two_hosts, wait_all
 
@@ -157,7 +157,7 @@ def test_two_machines_equal_one_process_with_the_same_global_batch(uninterrupted
 def test_two_machines_equal_one_process_on_real_mnist_with_its_default_recipe(two_machines, tmp_path):
     """test_parallel's job on real MNIST, augmented as its recipe says, on two machines of one worker each,
     started by python -m paddle_mnist.launch (Paddle's launcher after a check, the arguments unchanged)."""
-    jobs = launch(two_machines, tmp_path, tmp_path / "out", job=REAL_JOB, launcher="paddle_mnist.launch")
+    jobs = launch(two_machines, tmp_path, tmp_path / "out", job=REAL_JOB, launcher="paddle_mnist.runtime.launch")
     codes = wait_all(jobs, 180)
     assert codes == [0, 0], explain_job(codes, tmp_path)
     assert "augmentation random shifts of up to 2 px" in worker_log(tmp_path / "log1", 0)
@@ -209,7 +209,7 @@ def launcher_pid(host) -> int:
 def test_a_machine_whose_launcher_dies_is_named_as_the_cause_on_both(hosts, data_dir, tmp_path):
     """SIGKILL to machine 1's launcher alone: its worker stops with a checkpoint, saying its launcher went away;
     machine 0's worker stops with it, naming rank 1 as the one that took the signal (it took none itself); and
-    paddle_mnist.logs names rank 1 first, the launcher's end as the cause."""
+    paddle_mnist.files.logs names rank 1 first, the launcher's end as the cause."""
     out = tmp_path / "out"
     jobs = launch(hosts, tmp_path, out, ["--data-dir", str(data_dir)])
     try:
@@ -310,7 +310,7 @@ def test_paddle_mnist_launch_without_host_stops_at_once_naming_it(hosts, data_di
     naming --host and this machine's address, and no launcher or worker starts."""
     started = time.monotonic()
     args = ["--data-dir", str(data_dir)]
-    jobs = launch(hosts, tmp_path, tmp_path / "out", args, host_flag=False, launcher="paddle_mnist.launch")
+    jobs = launch(hosts, tmp_path, tmp_path / "out", args, host_flag=False, launcher="paddle_mnist.runtime.launch")
     codes = wait_all(jobs, 30)
     assert codes == [1, 1] and time.monotonic() - started < 30, explain_job(codes, tmp_path)
     for rank, host in enumerate(hosts):

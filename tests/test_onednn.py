@@ -18,7 +18,9 @@ import paddle.nn.functional as F
 import pytest
 from helpers import explain, launch_env, make_dataset, read_results, run_single, small_run
 
-from paddle_mnist import cpu, models, onednn
+from paddle_mnist.network import models
+from paddle_mnist.ops import onednn
+from paddle_mnist.runtime import cpu
 
 SMALL = small_run(eval_limit=100, batch_size=64, epochs=1, log_every=None, lr=None)
 
@@ -393,7 +395,7 @@ def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it
     instead of padding the channel to 8 (8 times the work); oneDNN 3.2 (Paddle 2.6) has none for NCHW, and the
     primitive takes the blocked layout there. Read from oneDNN's own log of what ran."""
     code = (
-        "import paddle; from paddle_mnist import onednn as o; "
+        "import paddle; from paddle_mnist.ops import onednn as o; "
         "print(o.activate(o.prepare('onednn'), 'cpu')); "
         "x, w = paddle.randn([8, 1, 28, 28]), paddle.randn([20, 1, 5, 5]); w.stop_gradient = False; "
         "o.conv2d(x, w, 1, 2).sum().backward()"
@@ -410,7 +412,7 @@ def test_minigooglenets_first_module_on_a_1_channel_image_takes_a_direct_weight_
     for that layout (3.2, Paddle 2.6), it must not take the reference loops (100 times slower: a second a step on
     Fashion-MNIST), but the blocked layout. Read from oneDNN's own log of what ran."""
     code = (
-        "import paddle; from paddle_mnist import onednn as o, models as m; "
+        "import paddle; from paddle_mnist.ops import onednn as o; from paddle_mnist.network import models as m; "
         "print(o.activate(o.prepare('onednn'), 'cpu')); "
         "conv, norm = m.Conv2D(1, 96, 3, padding=1), paddle.nn.BatchNorm2D(96); "
         "o.conv_bn_relu(paddle.randn([8, 1, 28, 28]), conv, norm).sum().backward()"
@@ -433,7 +435,7 @@ def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path)
 def test_openmp_threads_reach_both_runtimes():
     """Paddle's CPU wheel loads MKL's Intel OpenMP and the GNU OpenMP its libdnnl.so.3 runs on: the trainer's
     thread count is set in both, at 1 and at 2, in a fresh process."""
-    code = "import json, paddle; from paddle_mnist import onednn as o; "
+    code = "import json, paddle; from paddle_mnist.ops import onednn as o; "
     code += "print(json.dumps([o.set_openmp_threads(n) for n in (1, 2)]))"
     proc = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -452,7 +454,7 @@ def test_missing_headers_leave_paddles_convolution_with_the_fix(monkeypatch):
 
 BUILD = """
 import json, sys
-from paddle_mnist import onednn
+from paddle_mnist.ops import onednn
 library, seconds = onednn.build()
 print(json.dumps([str(library), seconds]))
 """

@@ -15,11 +15,11 @@ from helpers import REPO
 
 COMMANDS = {  # command -> the module that `python -m` runs for the same job
     "paddle-mnist-train": "paddle_mnist.start",
-    "paddle-mnist-predict": "paddle_mnist.predict",
-    "paddle-mnist-logs": "paddle_mnist.logs",
-    "paddle-mnist-download": "paddle_mnist.download",
-    "paddle-mnist-export": "paddle_mnist.export",
-    "paddle-mnist-preflight": "paddle_mnist.preflight",
+    "paddle-mnist-predict": "paddle_mnist.deploy.predict",
+    "paddle-mnist-logs": "paddle_mnist.files.logs",
+    "paddle-mnist-download": "paddle_mnist.datasets.download",
+    "paddle-mnist-export": "paddle_mnist.deploy.export",
+    "paddle-mnist-preflight": "paddle_mnist.runtime.preflight",
 }
 
 

@@ -24,11 +24,11 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist import data
 from paddle_mnist.config import Config
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.engine import evaluate
-from paddle_mnist.models import MnistCNN
+from paddle_mnist.datasets import data
+from paddle_mnist.network.models import MnistCNN
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training.engine import evaluate
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
 
@@ -107,7 +107,7 @@ def dropout_one(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("workers", [2, 3])
 def test_workers_drop_what_one_process_drops(dropout_one, tmp_path, workers):
-    """Each image's dropout masks are drawn by its place in the global batch (paddle_mnist.dropout): with
+    """Each image's dropout masks are drawn by its place in the global batch (paddle_mnist.network.dropout): with
     paddle.nn.Dropout the same runs ended 0.041 (2 workers) and 0.058 (3) apart."""
     check_launched_equals(dropout_one, DROPOUT_JOB, tmp_path, workers, parameters=12)
 

@@ -14,9 +14,10 @@ import pytest
 from helpers import CIFAR_CLASSES, REPO, make_colour_images, make_dataset
 from PIL import Image
 
-from paddle_mnist import data, export, predict
-from paddle_mnist.models import MnistCNN
-from paddle_mnist.predictor import Predictor, softmax
+from paddle_mnist.datasets import data
+from paddle_mnist.deploy import export, predict
+from paddle_mnist.deploy.predictor import Predictor, softmax
+from paddle_mnist.network.models import MnistCNN
 
 
 def run_predict(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

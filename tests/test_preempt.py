@@ -25,8 +25,8 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist import checkpoint
-from paddle_mnist.logs import summarise
+from paddle_mnist.files import checkpoint
+from paddle_mnist.files.logs import summarise
 
 pytestmark = pytest.mark.slow  # each test starts the trainer under the launcher and stops it with a signal
 
@@ -141,7 +141,7 @@ def test_sigterm_during_start_up_stops_before_training_with_nothing_to_save(tmp_
 STOPPING = """
 import sys, time
 import paddle  # installs Paddle's own handler, which aborts on SIGTERM
-from paddle_mnist import preempt
+from paddle_mnist.runtime import preempt
 preempt.SAME_REQUEST_S = float(sys.argv[1])  # the test's window
 stop = preempt.StopSignals().install()
 print("ready", flush=True)

@@ -23,10 +23,12 @@ from helpers import (
 )
 from PIL import Image
 
-from paddle_mnist import config, data, engine
-from paddle_mnist.distributed import DistEnv, convert_sync_bn
-from paddle_mnist.models import MODELS, MnistCNN, build_model, count_parameters
-from paddle_mnist.state import make_schedule
+from paddle_mnist import config
+from paddle_mnist.datasets import data
+from paddle_mnist.network.models import MODELS, MnistCNN, build_model, count_parameters
+from paddle_mnist.runtime.distributed import DistEnv, convert_sync_bn
+from paddle_mnist.training import engine
+from paddle_mnist.training.state import make_schedule
 
 # Trainable parameters, counted by hand from each architecture:
 # mnist_cnn: conv 1->20 5x5 (520), conv 20->20 5x5 (10,020), dense 20*7*7->10 (9,810)
@@ -111,7 +113,7 @@ def test_warmup_then_linear_decay_to_zero():
 def test_nesterov_is_the_look_ahead_step_of_the_cifar_fast_recipe():
     """Two steps of make_optimizer on w^2/2 (gradient w), lr 0.1, momentum 0.9: plain momentum moves w by the
     velocity, Nesterov by the gradient plus momentum times the new velocity."""
-    from paddle_mnist.state import make_optimizer
+    from paddle_mnist.training.state import make_optimizer
 
     assert config.parse_args(["--model", "cifar_fast"]).nesterov
     assert not config.parse_args(["--model", "cifar_fast", "--no-nesterov"]).nesterov

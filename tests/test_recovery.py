@@ -32,10 +32,11 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist import checkpoint, export
 from paddle_mnist.config import Config
-from paddle_mnist.logs import summarise
-from paddle_mnist.models import build_model
+from paddle_mnist.deploy import export
+from paddle_mnist.files import checkpoint
+from paddle_mnist.files.logs import summarise
+from paddle_mnist.network.models import build_model
 
 pytestmark = pytest.mark.slow  # each test starts real trainer processes, and most of them stop or kill one
 

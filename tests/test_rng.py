@@ -7,8 +7,11 @@ import paddle
 import pytest
 from helpers import cifar_members, explain, param_digest, run_single, write_cifar_archive
 
-from paddle_mnist import checkpoint, data, distributed, rng
-from paddle_mnist.distributed import DistEnv
+from paddle_mnist.datasets import data
+from paddle_mnist.files import checkpoint
+from paddle_mnist.runtime import distributed
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import rng
 
 GeneratorState = paddle.base.libpaddle.GeneratorState
 
@@ -110,7 +113,7 @@ def test_a_four_gpu_checkpoint_resumes_on_cpu_bit_for_bit(tmp_path):
     """A checkpoint whose rank 0 entry is the run's own CPU state, plus GPU states and three more ranks' as a 4-GPU
     job writes them, resumes in one CPU process with one warning and ends with the weights of the run that never
     stopped, on Paddle 2.6 too (whose pickled CPU state restarts from its seed): cifar_cnn's dropout draws its masks
-    by batch place (paddle_mnist.dropout), not from the generators."""
+    by batch place (paddle_mnist.network.dropout), not from the generators."""
     write_cifar_archive(tmp_path / "c" / data.CIFAR_ARCHIVE, cifar_members(n_per_batch=16, n_test=8))
     args = ["--dataset", "cifar10", "--data-dir", str(tmp_path / "c"), "--model", "cifar_cnn", "--batch-size", "16"]
     args += ["--epochs", "2", "--lr", "0.01"]

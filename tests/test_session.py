@@ -11,10 +11,10 @@ import paddle
 import pytest
 from helpers import explain, read_metrics, run_single, small_run
 
-from paddle_mnist import engine, session
 from paddle_mnist.config import Config
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.state import TrainState
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import engine, session
+from paddle_mnist.training.state import TrainState
 
 
 def test_skipped_steps_reach_the_metrics_row_and_the_epoch_log_line(caplog):

@@ -10,11 +10,12 @@ import paddle
 import pytest
 from helpers import make_images
 
-from paddle_mnist import data, engine, timing
 from paddle_mnist.config import Config
-from paddle_mnist.distributed import DistEnv
-from paddle_mnist.state import TrainState
-from paddle_mnist.transfer import Feed
+from paddle_mnist.datasets import data
+from paddle_mnist.datasets.transfer import Feed
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import engine, timing
+from paddle_mnist.training.state import TrainState
 
 
 def test_step_time_shares_split_every_steps_compute_as_the_sampled_steps_did():

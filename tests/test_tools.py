@@ -20,10 +20,13 @@ from helpers import (
     worker_log,
 )
 
-from paddle_mnist import checkpoint, engine, export, summary
 from paddle_mnist.config import Config, ConfigError, parse_args
-from paddle_mnist.models import MnistCNN, build_model, count_parameters
-from paddle_mnist.state import TrainState, make_optimizer
+from paddle_mnist.deploy import export
+from paddle_mnist.files import checkpoint
+from paddle_mnist.network import summary
+from paddle_mnist.network.models import MnistCNN, build_model, count_parameters
+from paddle_mnist.training import engine
+from paddle_mnist.training.state import TrainState, make_optimizer
 
 SMALL = small_run(log_every=0, lr=None)
 CLIP = 0.5  # below the gradient norms of the first epochs here, so every step clips

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
-from paddle_mnist import transfer
+from paddle_mnist.datasets import transfer
 
 
 def test_batches_go_through_pinned_memory_on_gpus_only():

@@ -28,7 +28,7 @@ from helpers import (
 from PIL import Image
 from visualdl import LogReader, LogWriter  # not importorskip: CI installs it; missing, these tests fail
 
-from paddle_mnist import checkpoint, dashboard
+from paddle_mnist.files import checkpoint, dashboard
 
 # 512 images in batches of 64: 8 steps an epoch, a progress line every 4 steps
 SMALL = small_run(eval_limit=100, batch_size=64)

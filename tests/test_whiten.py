@@ -12,8 +12,9 @@ import pytest
 from helpers import explain, run_single
 from PIL import Image
 
-from paddle_mnist import data, whiten
-from paddle_mnist.models import build_model
+from paddle_mnist.datasets import data
+from paddle_mnist.network import whiten
+from paddle_mnist.network.models import build_model
 
 CIFAR_JPEG = Path(__file__).resolve().parents[2] / "shared" / "data" / "cifar10-jpeg" / "cifar10-jpeg.tar.gz"
 

@@ -1,0 +1,214 @@
+"""The only writer of files: rank 0 writes, every other rank's calls do nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import paddle
+
+from paddle_mnist.config import CONFIG_FILE, Config
+from paddle_mnist.datasets import data
+from paddle_mnist.deploy import export
+from paddle_mnist.files import atomic, checkpoint, dashboard, plots
+from paddle_mnist.runtime.distributed import DistEnv
+
+METRICS = plots.METRICS_FILE
+CONFIG = CONFIG_FILE
+RESULTS = "results.json"
+WEIGHTS = checkpoint.WEIGHTS  # the last weights
+BEST_WEIGHTS = checkpoint.BEST_WEIGHTS  # the weights of the epoch with the highest validation accuracy
+RESULT_FILES = (METRICS, WEIGHTS, BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
+
+
+class WriteFailed(RuntimeError):
+    """A file of the run could not be written; every rank stops. The message is the one line each rank logs."""
+
+
+def output_dir_problem(cfg: Config) -> str | None:
+    """Why this run may not write into --output-dir, or None when it may."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        return f"--output-dir {out} is a file; pass a folder"
+    existing = [name for name in RESULT_FILES if (out / name).exists()]
+    has_checkpoint = bool(checkpoint.list_checkpoints(out))
+    if cfg.resume == "yes" and not has_checkpoint:
+        return f"--resume: no checkpoint in {out / checkpoint.CKPT_DIR}; drop --resume to start afresh"
+    if cfg.resume != "no" and has_checkpoint:
+        return None
+    if existing and not cfg.overwrite:
+        return (
+            f"{out} already holds a run's results ({', '.join(existing)}); "
+            "pass --resume to continue it, --overwrite to replace it, or another --output-dir"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"cannot write to --output-dir {out} ({e.strerror}); pass a writable folder"
+    return None
+
+
+PLOT_INTERVAL_S = 60.0  # shortest time between two drawings of curves.png during training
+
+
+class RunFiles:
+    def __init__(self, cfg: Config, env: DistEnv, store: checkpoint.CheckpointStore):
+        self.out = Path(cfg.output_dir)
+        self.store = store
+        self.enabled = env.is_main
+        self.cfg = cfg
+        self._plotter: subprocess.Popen | None = None
+        self._drawn_at = -float("inf")
+        self._rows = 0
+        self.dashboard: dashboard.Dashboard | None = None  # --visualdl's writer, opened by start()
+        self._listening: tuple[logging.Logger, logging.Handler] | None = None  # the dashboard's log handler
+        self.failure: str | None = None  # the first write that failed: its file and the system's reason
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        """Record a write's OSError instead of raising it, so that every rank can learn of it at the next point
+        where they all meet (Session.meet) and stop together; later writes are skipped."""
+        try:
+            yield
+        except OSError as e:
+            code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
+            self.failure = self.failure or f"cannot write {path}: {e.strerror or e}{code}"
+
+    def failure_message(self) -> str:
+        """The line every rank logs when a write failed: on rank 0 which file and why, and what was kept."""
+        if not self.enabled:
+            return (
+                "rank 0 could not write a file of the run (the file and the reason are in its log, workerlog.0); "
+                "stopping with it"
+            )
+        kept = self.store.list()
+        last = f"the last good checkpoint {kept[-1]} is intact" if kept else "no checkpoint had been written yet"
+        return (
+            f"{self.failure}; {last} and no partial file was left. Free space or fix the cause, then continue "
+            "with the same command and --resume auto"
+        )
+
+    def start(self, resumed_epoch: int | None, resumed_step: int = 0, log: logging.Logger | None = None) -> None:
+        """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them.
+
+        With --visualdl, open the dashboard at the checkpoint's step and pass it the progress lines of `log`.
+        """
+        if not self.enabled or self.failure:
+            return
+        with self._writing(self.out):
+            last_row_step = self._start(resumed_epoch)
+        if self.cfg.visualdl and not self.failure:
+            self._open_dashboard(None if resumed_epoch is None else (resumed_step, last_row_step), log)
+
+    def _open_dashboard(self, resumed: tuple[int, int] | None, log: logging.Logger | None) -> None:
+        with self._writing(self.out / dashboard.FOLDER):
+            try:
+                self.dashboard = dashboard.Dashboard(self.out, resumed)
+            except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
+                self.failure = f"{dashboard.MISSING} ({type(e).__name__}: {e})"
+        if self.dashboard and log:
+            self._listening = (log, dashboard.ProgressScalars(self.dashboard))
+            log.addHandler(self._listening[1])
+
+    def _start(self, resumed_epoch: int | None) -> int:
+        """The step of the last metrics row kept (0: none)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(self.out / CONFIG, self.cfg.to_json() + "\n")
+        metrics = self.out / METRICS
+        if resumed_epoch is None:
+            metrics.unlink(missing_ok=True)
+            dashboard.remove_logs(self.out)
+            best = self.out / BEST_WEIGHTS
+            earlier = [best, checkpoint.digest_path(best), *self.store.list()]
+            for old in [*earlier, *self.out.glob("inference*")]:
+                if not old.is_dir():  # a user's folder is left alone
+                    old.unlink(missing_ok=True)  # an earlier run's export must not pass for this run's
+        elif metrics.is_file():
+            rows = [r for r in metrics.read_text().splitlines() if r.strip()]
+            kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
+            atomic.write_text(metrics, "".join(r + "\n" for r in kept))
+            return json.loads(kept[-1])["step"] if kept else 0
+        return 0
+
+    def append_metrics(self, row: dict) -> None:
+        if not self.enabled or self.failure:
+            return
+        path = self.out / METRICS
+        with self._writing(path):
+            with open(path, "a") as f:
+                size = f.tell()
+                try:
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        f.truncate(size)  # no half row: the file ends with the last complete epoch
+                    raise
+        if self.failure:
+            return
+        if self.dashboard:
+            self.dashboard.add_epoch(row)
+        self._rows += 1
+        idle = self._plotter is None or self._plotter.poll() is not None  # one drawing at a time
+        if idle and time.monotonic() - self._drawn_at >= PLOT_INTERVAL_S:
+            self._plotter = self._draw()
+
+    def _draw(self) -> subprocess.Popen:
+        """curves.png is drawn by a child process, so the trainer never loads matplotlib and its memory stays flat.
+
+        Loading matplotlib costs about a second of CPU: the child runs at the lowest priority, and at most once a
+        PLOT_INTERVAL_S, so that on a machine whose cores all train it does not slow the workers down.
+        """
+        self._drawn_at = time.monotonic()
+        cmd = [sys.executable, plots.__file__, "--low-priority", str(self.out)]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+
+    def finish(self) -> None:
+        """Close the dashboard; wait for a drawing under way, then draw the final curves."""
+        if self._listening:
+            self._listening[0].removeHandler(self._listening[1])
+        if self.dashboard:
+            self.dashboard.close()
+        if not self.enabled or not self._rows:
+            return
+        if self._plotter is not None:
+            self._plotter.wait()
+        self._draw().wait()
+
+    def save_checkpoint(self, state: dict) -> None:
+        if not self.enabled or self.failure:
+            return
+        if self.dashboard:  # every scalar up to the checkpoint's step is on disk before the checkpoint is
+            self.dashboard.flush()
+        with self._writing(self.store.path(state["step"])):
+            self.store.save(state)
+
+    def save_weights(self, model: paddle.nn.Layer) -> None:
+        if self.enabled and not self.failure:
+            with self._writing(self.out / WEIGHTS):
+                checkpoint.save_atomic(model.state_dict(), self.out / WEIGHTS)
+
+    def save_best(self, model: paddle.nn.Layer) -> None:
+        if self.enabled and not self.failure:
+            with self._writing(self.out / BEST_WEIGHTS):
+                checkpoint.save_atomic(model.state_dict(), self.out / BEST_WEIGHTS)
+
+    def export_inference(self, net: paddle.nn.Layer, ds: data.Dataset, weights: str) -> None:
+        """The unwrapped network for python -m paddle_mnist.predict --model OUTPUT_DIR/inference."""
+        if self.enabled:
+            export.export_inference(net, ds, self.out / "inference", weights)
+
+    def write_json(self, name: str, obj: dict) -> None:
+        if self.enabled and not self.failure:
+            with self._writing(self.out / name):
+                atomic.write_text(self.out / name, json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,386 @@
+"""The networks, chosen by name: the tutorial CNN (also with batch norm), MiniGoogLeNet and the Keras CIFAR-10 CNN."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import paddle
+import paddle.nn.functional as F
+from paddle import nn
+
+from paddle_mnist.network.dropout import Dropout
+from paddle_mnist.ops import onednn
+
+
+def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
+    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.
+
+    Paddle's CPU kernels broadcast a (1, C, 1, 1) bias along a slow path; a trailing (C, 1) takes the fast one, for
+    the add and for its gradient (docs/performance.md). The 0s in reshape keep the batch size as it comes, so the
+    exported model takes any batch.
+    """
+    _, c, h, w = x.shape
+    return (x.reshape([0, c, h * w]) + bias.reshape([c, 1])).reshape([0, c, h, w])
+
+
+class Conv2D(nn.Conv2D):
+    """nn.Conv2D (same parameters, same names, same output) whose convolution, in float32 CPU training, runs by
+    oneDNN where onednn.activate made that possible, with the bias added inside it; elsewhere Paddle's convolution
+    runs and add_channel_bias adds the bias."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0, **kw):
+        super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, **kw)
+        self.geometry = {"stride": stride, "padding": padding}
+
+    def convolve(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The convolution without the bias: oneDNN's where it is active (onednn.py), else F.conv2d."""
+        return onednn.conv2d(x, self.weight, **self.geometry)
+
+    def add_bias(self, y: paddle.Tensor) -> paddle.Tensor:
+        return y if self.bias is None else add_channel_bias(y, self.bias)
+
+    def fused(self, x: paddle.Tensor) -> bool:
+        """Whether oneDNN adds the bias inside the convolution of x (its kernel adds it as it writes the output,
+        and sums its gradient in the weights' backward pass: Paddle's add and its gradient no longer run)."""
+        return self.bias is not None and onednn.runs(x)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.fused(x):
+            return onednn.conv2d(x, self.weight, bias=self.bias, **self.geometry)
+        return self.add_bias(self.convolve(x))
+
+
+class MaxPool2D(nn.MaxPool2D):
+    """nn.MaxPool2D that, in training, also keeps where each window's maximum was: the same output, and a backward
+    pass that only scatters (docs/performance.md has its cost against Paddle's).
+
+    For 2x2 windows of stride 2 where the custom operators are active (onednn.pools: float32 CPU training), that is
+    the max_pool2x2 operator of csrc/max_pool.cc, which runs four windows at a time and matches F.max_pool2d to the
+    bit, NaN included. Elsewhere it is Paddle's kernel with the mask, as follows.
+
+    Paddle's max-pool backward on the CPU searches every window again for the input equal to its maximum; the
+    kernel that returns the mask records that position in the forward pass (the first maximum, as the search
+    finds), so the gradient goes to the same input, to the bit. In evaluation, and so in the exported model, it is
+    nn.MaxPool2D's own forward, which Paddle Inference and ONNX know.
+
+    A window with nothing above -FLT_MAX (all NaN or -inf: a step whose loss diverged) gets no position, -1, and
+    Paddle's CPU backward would add its gradient at that offset, outside the tensor, corrupting the heap. Such a
+    pass is run again by nn.MaxPool2D, whose backward only adds where an input equals the window's output: the
+    check reads the mask's minimum (a reduction over a quarter of the input, on the CPU only; the GPU backward
+    matches positions and never writes at -1).
+    """
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        # nn.MaxPool2D named: Paddle 2.6's paddle.jit.save rewrites this method, and super() without arguments
+        # then finds no class to start from
+        if not self.training or self.return_mask or self.data_format != "NCHW":
+            return nn.MaxPool2D.forward(self, x)
+        kernel, stride, padding = (_square(v) for v in (self.ksize, self.stride or self.ksize, self.padding))
+        if None not in (kernel, stride, padding) and onednn.pools(x, kernel, stride, padding, self.ceil_mode):
+            return onednn.max_pool2x2(x)
+        out, mask = F.max_pool2d(
+            x, self.ksize, self.stride, self.padding, ceil_mode=self.ceil_mode, return_mask=True, name=self.name
+        )
+        if x.place.is_cpu_place() and int(mask.min()) < 0:
+            return nn.MaxPool2D.forward(self, x)
+        return out
+
+
+def _square(v: int | list | tuple) -> int | None:
+    """A pooling setting given as one int, or as a pair of equal ones: that int; else None."""
+    if isinstance(v, int):
+        return v
+    return v[0] if isinstance(v, (list, tuple)) and len(v) == 2 and v[0] == v[1] and isinstance(v[0], int) else None
+
+
+def conv_relu_pool(x: paddle.Tensor, conv: Conv2D, pool: nn.MaxPool2D) -> paddle.Tensor:
+    """pool(relu(conv(x))), computed as relu(pool(conv(x) without bias) + bias): the same result with less work.
+
+    Adding a per-channel constant and ReLU never lower a value, so they commute with taking a maximum, in floating
+    point too (rounding is monotonic): the output is the same to the bit. The bias add, its gradient and the ReLU
+    then run on the pooled map, a quarter of the size. Also with oneDNN's convolutions: its bias inside the
+    convolution, on the whole map, made mnist_cnn's two blocks slower (docs/performance.md).
+    """
+    return F.relu(conv.add_bias(pool(conv.convolve(x))))
+
+
+class MnistCNN(nn.Layer):
+    """The tutorial's CNN: two 5x5 conv (20 channels, padding 2) + ReLU + 2x2 max-pool blocks, then one dense layer.
+
+    batch_norm=True (model mnist_cnn_bn) puts batch norm between each conv and its ReLU; the conv then drops its
+    bias, which the norm's shift replaces. hidden=N (model mnist_cnn_bn_fc: batch norm and N=256) puts a dense layer
+    of N units and ReLU before the classifier: the convolutions stay as they are (most of the multiply-adds) and the
+    network reaches mnist_cnn's accuracy in fewer epochs (docs/results.md). Without batch norm each block runs as
+    conv_relu_pool; with it, ReLU moves after the pool (relu(max) = max(relu), to the bit) and runs on a quarter of
+    the values.
+    plain=True builds the tutorial's own layers (nn.Conv2D) and runs them one after another: the reference that
+    tests and benchmarks hold the fast network against. Both hold the same parameters under the same names, so
+    weights load into either.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 1,
+        image_size: int | tuple[int, int] = 28,
+        batch_norm: bool = False,
+        plain: bool = False,
+        hidden: int = 0,
+    ):
+        super().__init__()
+        conv, pool = (nn.Conv2D, nn.MaxPool2D) if plain else (Conv2D, MaxPool2D)
+
+        def block(cin: int) -> list[nn.Layer]:
+            if not batch_norm:
+                return [conv(cin, 20, 5, padding=2), nn.ReLU(), pool(2, 2)]
+            return [conv(cin, 20, 5, padding=2, bias_attr=False), nn.BatchNorm2D(20), nn.ReLU(), pool(2, 2)]
+
+        # the order each block runs in: the tutorial's, or max-pooling first (the same output to the bit, with less
+        # work after it); batch norm needs the whole map's statistics, so there only ReLU moves after the pool
+        self.order = "plain" if plain else "relu_after_pool" if batch_norm else "bias_after_pool"
+        self.features = nn.Sequential(*block(in_channels), *block(20))
+        height, width = _sides(image_size)
+        features = 20 * (height // 4) * (width // 4)
+        self.head_scale = head_scale(features, 20 * 7 * 7)  # a 28x28 image's map: 20 channels of 7x7
+        self.hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU()) if hidden else None
+        self.fc = nn.Linear(hidden or features, num_classes)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        f = self.features
+        if self.order == "bias_after_pool":
+            x = conv_relu_pool(conv_relu_pool(x, f[0], f[2]), f[3], f[5])
+        elif self.order == "relu_after_pool":
+            x = F.relu(f[7](f[5](f[4](F.relu(f[3](f[1](f[0](x))))))))
+        else:
+            x = f(x)
+        x = scaled(paddle.flatten(x, 1), self.head_scale)
+        return self.fc(self.hidden(x) if self.hidden is not None else x)
+
+
+def head_scale(features: int, reference: int) -> float:
+    """The factor the flattened feature map is multiplied by before the first dense layer: sqrt(reference /
+    features) when the map holds more than `reference` values, the map of a 28x28 image (the size the recipes
+    were measured on), else 1.
+
+    Under SGD, one step changes a dense layer's outputs by about lr x (its inputs' squared norm) x the output
+    gradient, and that squared norm grows with the number of inputs, the image's area: at the same --lr the first
+    steps of a 64x64 run moved the loss 3x, and of a 128x128 run 6x, as much as a 28x28 run's, overshot, and could
+    leave the network at chance (docs/training.md#any-image-size). Scaled by this factor, the inputs' squared norm
+    is at most a 28x28 image's, at every size: one recipe serves them all. Smaller images already take smaller
+    steps and are left as they are, as is 28x28 (a factor of 1 is no operation at all).
+    """
+    return math.sqrt(reference / features) if features > reference else 1.0
+
+
+def scaled(x: paddle.Tensor, factor: float) -> paddle.Tensor:
+    return x if factor == 1.0 else x * factor
+
+
+def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
+    """(height, width) of a square side or of a (height, width) pair."""
+    return (image_size, image_size) if isinstance(image_size, int) else tuple(image_size)
+
+
+class ConvModule(nn.Sequential):
+    """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this).
+
+    blocked(x) is the same by oneDNN (onednn.conv_bn_relu in training, onednn.conv_relu_folded in evaluation), its
+    input NCHW or blocked by onednn.BLOCK channels and its output blocked (csrc/blocked.cc).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
+        pad = kernel // 2 if padding == "same" else 0
+        super().__init__(
+            Conv2D(in_channels, out_channels, kernel, stride=stride, padding=pad),
+            nn.BatchNorm2D(out_channels),
+            nn.ReLU(),
+        )
+
+    def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.training:
+            return onednn.conv_bn_relu(x, self[0], self[1])
+        return onednn.conv_relu_folded(x, self[0], self[1])  # by the running statistics
+
+
+class Inception(nn.Layer):
+    """A 1x1 and a 3x3 conv module side by side, concatenated on channels."""
+
+    def __init__(self, in_channels: int, k1: int, k3: int):
+        super().__init__()
+        self.b1 = ConvModule(in_channels, k1, 1)
+        self.b3 = ConvModule(in_channels, k3, 3)
+        self.out_channels = k1 + k3
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.concat([self.b1(x), self.b3(x)], axis=1)
+
+    def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
+        return onednn.concat_blocked(self.b1.blocked(x), self.b3.blocked(x))
+
+
+class Downsample(nn.Layer):
+    """A stride-2 3x3 conv module beside a stride-2 3x3 max-pool (both unpadded), concatenated on channels."""
+
+    def __init__(self, in_channels: int, k: int):
+        super().__init__()
+        self.conv = ConvModule(in_channels, k, 3, stride=2, padding="valid")
+        self.pool = MaxPool2D(3, stride=2)
+        self.out_channels = k + in_channels
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return paddle.concat([self.conv(x), self.pool(x)], axis=1)
+
+    def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
+        return onednn.concat_blocked(self.conv.blocked(x), onednn.max_pool_blocked(x, 3, 2))
+
+
+class MiniGoogLeNet(nn.Layer):
+    """The Keras multi-GPU tutorial's MiniGoogLeNet for 32x32x3 CIFAR-10 (any size of at least 28 works)."""
+
+    # (kind, sizes) in order; "i" is an inception module (1x1 filters, 3x3 filters), "d" a downsample module
+    PLAN = (
+        ("i", (32, 32)),
+        ("i", (32, 48)),
+        ("d", (80,)),
+        ("i", (112, 48)),
+        ("i", (96, 64)),
+        ("i", (80, 80)),
+        ("i", (48, 96)),
+        ("d", (96,)),
+        ("i", (176, 160)),
+        ("i", (176, 160)),
+    )
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int | tuple[int, int] = 32):
+        super().__init__()
+        if min(_sides(image_size)) < 28:
+            raise ValueError(f"minigooglenet needs images of at least 28x28, got {image_size}")
+        layers = [ConvModule(in_channels, 96, 3)]
+        channels = 96
+        for kind, sizes in self.PLAN:
+            block = Inception(channels, *sizes) if kind == "i" else Downsample(channels, *sizes)
+            layers.append(block)
+            channels = block.out_channels
+        self.features = nn.Sequential(*layers)
+        # the tutorial's 7x7 average pool covers the whole 7x7 map left of a 32x32 input; pooling globally
+        # is the same there and also fits 28x28 inputs (6x6 maps)
+        self.pool = nn.AdaptiveAvgPool2D(1)
+        self.dropout = Dropout(0.5)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if onednn.blocks_now(self, x):
+            x = self.blocked_features(x)
+        else:
+            x = paddle.flatten(self.pool(self.features(x)), 1)
+        return self.fc(self.dropout(x))
+
+    def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
+        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, the maps blocked by onednn.BLOCK
+        channels between the first conv module and the global average pool (every width here is a multiple of 16): no
+        reorder around each convolution, and batch norm, ReLU, the max-pools and the concatenations on every
+        thread (docs/performance.md)."""
+        for layer in self.features:
+            x = layer.blocked(x)
+        return x.mean([2, 3]).flatten(1)  # [N, C/B, B] -> [N, C]: channel b * B + i, as in NCHW
+
+
+class CifarCNN(nn.Layer):
+    """The Keras CIFAR-10 example CNN: two (conv, conv, pool, dropout) blocks of 32 and 64 filters, dense 512."""
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int | tuple[int, int] = 32):
+        super().__init__()
+
+        def block(cin: int, cout: int) -> list[nn.Layer]:
+            # Keras: the first conv pads ("same"), the second does not ("valid")
+            return [
+                Conv2D(cin, cout, 3, padding=1),
+                nn.ReLU(),
+                Conv2D(cout, cout, 3),
+                nn.ReLU(),
+                MaxPool2D(2, 2),
+                Dropout(0.25),
+            ]
+
+        self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
+        height, width = (((side - 2) // 2 - 2) // 2 for side in _sides(image_size))
+        self.head_scale = head_scale(64 * height * width, 64 * 5 * 5)  # a 28x28 image's map: 64 channels of 5x5
+        self.classifier = nn.Sequential(
+            nn.Linear(64 * height * width, 512), nn.ReLU(), Dropout(0.5), nn.Linear(512, num_classes)
+        )
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return self.classifier(scaled(paddle.flatten(self.features(x), 1), self.head_scale))
+
+
+class CifarFast(nn.Layer):
+    """A VGG-like network of three conv groups for CIFAR-10 in minutes on CPUs (docs/results.md#cifar-10): a conv
+    module, then per group a conv module, a 2x2 max-pool and a second conv module (conv, batch norm, ReLU each), a
+    global max-pool and a linear classifier whose outputs are scaled down (a temperature: the network learns faster
+    than with the raw outputs under label smoothing).
+
+    Every width is a multiple of 16, so in training and in evaluation without gradients it runs blocked by
+    onednn.BLOCK channels from the first module's output to the global pool, as MiniGoogLeNet does
+    (blocked_features): no reorder around any convolution.
+    """
+
+    WIDTHS = (64, 128, 256)
+    STEM = 32
+    LOGIT_SCALE = 1 / 8
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        image_size: int | tuple[int, int] = 32,
+        widths: tuple[int, ...] = WIDTHS,
+    ):
+        super().__init__()
+        if min(_sides(image_size)) < 8:
+            raise ValueError(f"cifar_fast needs images of at least 8x8, got {image_size}")
+        layers, channels = [ConvModule(in_channels, self.STEM, 3)], self.STEM
+        for width in widths:
+            layers += [ConvModule(channels, width, 3), MaxPool2D(2, 2), ConvModule(width, width, 3)]
+            channels = width
+        self.features = nn.Sequential(*layers)
+        self.pool = nn.AdaptiveMaxPool2D(1)
+        self.fc = nn.Linear(channels, num_classes, bias_attr=False)
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if onednn.blocks_now(self, x):
+            x = self.blocked_features(x)
+        else:
+            x = paddle.flatten(self.pool(self.features(x)), 1)
+        return self.fc(x) * self.LOGIT_SCALE
+
+    def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
+        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, on maps blocked by onednn.BLOCK."""
+        for layer in self.features:
+            x = onednn.max_pool_blocked(x, 2, 2) if isinstance(layer, MaxPool2D) else layer.blocked(x)
+        n, cb, h, w, b = x.shape
+        if h == w:  # oneDNN's pool over the whole map: Paddle's CPU gradient of max is slow (docs/results.md)
+            return onednn.max_pool_blocked(x, h, h).reshape([n, cb * b])  # [N, C/B, 1, 1, B] -> channel b * B + i
+        # over H*W as one axis: Paddle 3.3.1's CPU gradient of max over axes [2, 3] of a 5-D tensor is garbage
+        return x.reshape([n, cb, h * w, b]).max(2).flatten(1)  # [N, C/B, B] -> [N, C]: channel b * B + i
+
+
+MODELS = {
+    "mnist_cnn": MnistCNN,
+    "mnist_cnn_bn": functools.partial(MnistCNN, batch_norm=True),
+    "mnist_cnn_bn_fc": functools.partial(MnistCNN, batch_norm=True, hidden=256),
+    "minigooglenet": MiniGoogLeNet,
+    "cifar_cnn": CifarCNN,
+    "cifar_fast": CifarFast,
+}
+
+
+def build_model(name: str, num_classes: int = 10, image_shape: tuple[int, int, int] = (1, 28, 28)) -> nn.Layer:
+    """image_shape is (channels, height, width) of the dataset's images."""
+    channels, height, width = image_shape
+    return MODELS[name](num_classes=num_classes, in_channels=channels, image_size=(height, width))
+
+
+def count_parameters(model: nn.Layer) -> int:
+    """Trainable parameters (batch norm running statistics are buffers, not counted)."""
+    return sum(int(p.size) for p in model.parameters() if not p.stop_gradient)

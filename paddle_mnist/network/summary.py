@@ -1,0 +1,82 @@
+"""What a network is: parameters, multiply-adds per image, and each layer's output shape, logged once per run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+
+import paddle
+from paddle import nn
+
+from paddle_mnist.network.models import build_model
+from paddle_mnist.ops import onednn
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    parameters: int
+    trainable: int
+    macs: int  # multiply-adds of one image's forward pass, in the convolutions and dense layers
+    table: str  # paddle.summary's per-layer table: layer, input shape, output shape, parameters
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.macs  # a multiply-add is two floating-point operations
+
+    def headline(self, name: str) -> str:
+        frozen = self.parameters - self.trainable
+        extra = f" and {frozen:,} batch norm statistics" if frozen else ""
+        return (
+            f"model {name}: {self.trainable:,} trained parameters{extra}; forward pass {self.flops / 1e6:.2f} MFLOPs "
+            f"per image ({self.macs / 1e6:.2f} M multiply-adds in its convolutions and dense layers)"
+        )
+
+
+def _layer_macs(layer: nn.Layer, output: paddle.Tensor) -> int:
+    """Multiply-adds of one call: each output value of a conv or dense layer sums one product per weight it sees."""
+    if isinstance(layer, nn.Conv2D):
+        per_output = int(layer.weight.shape[1]) * int(layer.weight.shape[2]) * int(layer.weight.shape[3])
+        return int(output.size) * per_output
+    if isinstance(layer, nn.Linear):
+        return int(output.size) * int(layer.weight.shape[0])
+    return 0
+
+
+def describe(model_name: str, num_classes: int, image_shape: tuple[int, int, int]) -> ModelSummary:
+    """Describe a fresh copy of the network, so the one being trained, its batch norm statistics and the random
+    generator's state are untouched. The copy runs layer by layer (MnistCNN's blocks in the tutorial's order), so
+    that every layer reports its output shape; its other orders compute the same values with the same parameters.
+
+    paddle.summary gives the table and the parameter counts. paddle.flops is not used: on Paddle 3.x with numpy 2
+    it fails (int() of a one-element buffer) and it does not know this package's Conv2D; the multiply-adds are
+    counted here by forward hooks on the conv and dense layers.
+    """
+    rng = paddle.get_rng_state()
+    try:
+        net = build_model(model_name, num_classes, image_shape)
+    finally:
+        paddle.set_rng_state(rng)
+    if hasattr(net, "order"):
+        net.order = "plain"
+    net.eval()
+    macs = []
+    hooks = [
+        layer.register_forward_post_hook(lambda layer, _inputs, output: macs.append(_layer_macs(layer, output)))
+        for layer in net.sublayers()
+        if isinstance(layer, (nn.Conv2D, nn.Linear))
+    ]
+    printed = io.StringIO()
+    try:
+        # paddle.summary prints its table; every layer must run for its row and hooks (not the blocked evaluation)
+        with onednn.plain_layers(), contextlib.redirect_stdout(printed):
+            counts = paddle.summary(net, (1, *image_shape))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return ModelSummary(
+        parameters=int(counts["total_params"]),
+        trainable=int(counts["trainable_params"]),
+        macs=sum(macs),
+        table=printed.getvalue().strip("\n"),
+    )

@@ -1,0 +1,279 @@
+"""The distributed environment: joining the process group, and every call into paddle.distributed."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from paddle_mnist.files import safeload
+from paddle_mnist.runtime import preflight
+from paddle_mnist.runtime.launch import (
+    LaunchError,
+    check_gpu_kernels,
+    check_gpu_request,
+    gpu_flag,
+    gpu_request_problem,
+    gpu_shortfall,
+    launch_layout,
+    parent_args,
+)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    backend: str  # "gloo", "nccl" or "none" for one process
+    device: str  # "cpu" or "gpu:N"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup() -> DistEnv:
+    """Check the launch, join the process group (for more than one worker) and pick the device."""
+    check_gpu_request()
+    layout = launch_layout(os.environ)
+    world, local_rank, local_size = layout.world, layout.local_rank, layout.local_size
+    use_gpu = paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0
+    if use_gpu:
+        args = parent_args(os.getppid())
+        problem = gpu_request_problem(gpu_flag(args), args, local_size) or gpu_shortfall(
+            local_size, paddle.device.cuda.device_count()
+        )
+        if problem:
+            raise LaunchError(problem)
+    if world > 1:
+        if not use_gpu and (problem := preflight.startup_problem(os.environ)):
+            raise LaunchError(problem)  # gloo would fail to connect, after a timeout on some machines
+        with _flags_banner_dropped(os.environ):
+            dist.init_parallel_env()
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank = 0
+    # the launcher sets FLAGS_selected_gpus for each worker; ParallelEnv reads it back
+    device = f"gpu:{dist.ParallelEnv().device_id}" if use_gpu else "cpu"
+    paddle.set_device(device)
+    if use_gpu:
+        check_gpu_kernels(device)
+    backend = "none" if world == 1 else os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if use_gpu else "gloo")
+    return DistEnv(rank, world, local_rank, local_size, backend, device)
+
+
+BANNER = "======================= Modified FLAGS detected"  # init_parallel_env's, on stderr, then one line a flag
+
+
+class _BannerFilter:
+    """sys.stderr while init_parallel_env runs: its banner of every FLAGS_* that differs from its default is held
+    back, and written only if it names a flag the user set; everything else passes straight through."""
+
+    def __init__(self, out, user_flags: set[str]):
+        self.out, self.user_flags, self.held = out, user_flags, None
+
+    def write(self, text: str) -> int:
+        if self.held is None and not text.startswith(BANNER):
+            return self.out.write(text)
+        self.held = (self.held or "") + text
+        if self.held.count("\n") > 1 and self.held.endswith("=\n"):  # the closing rule: the banner is whole
+            self.release()
+        return len(text)
+
+    def release(self) -> None:
+        banner, self.held = self.held or "", None
+        if any(f"name='{flag}'" in banner for flag in self.user_flags):
+            self.out.write(banner)
+
+    def __getattr__(self, name: str):
+        return getattr(self.out, name)
+
+
+@contextlib.contextmanager
+def _flags_banner_dropped(environ: Mapping[str, str]):
+    """Paddle's init_parallel_env lists, in every worker's log, the FLAGS_* whose values differ from their
+    defaults; Paddle 3 sets one of them itself (FLAGS_enable_pir_in_executor), so the banner came with every run.
+    It is kept when it names a flag the user set (a FLAGS_* variable other than the launcher's FLAGS_selected_*)."""
+    user = {k for k in environ if k.startswith("FLAGS_") and not k.startswith("FLAGS_selected_")}
+    real = sys.stderr
+    sys.stderr = filtered = _BannerFilter(real, user)
+    try:
+        yield
+    finally:
+        sys.stderr = real
+        if filtered.held is not None:  # cut short: show what there was
+            real.write(filtered.held)
+
+
+def convert_sync_bn(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
+    """Batch norm layers become SyncBatchNorm (same parameters), normalising over the whole global batch.
+
+    One worker already sees the whole batch, so there is nothing to convert. Check sync_bn_problem first.
+    """
+    return paddle.nn.SyncBatchNorm.convert_sync_batchnorm(model) if env.world_size > 1 else model
+
+
+def plain_batch_norm(model: paddle.nn.Layer, plain: paddle.nn.Layer) -> paddle.nn.Layer:
+    """model for export: when convert_sync_bn gave it SyncBatchNorm layers, plain (the same network freshly built,
+    with plain batch norm) holding its weights and statistics, since sync_batch_norm has GPU kernels only and a
+    CPU predictor could not run it. A model without SyncBatchNorm is returned as it is."""
+    if not any(isinstance(layer, paddle.nn.SyncBatchNorm) for layer in model.sublayers()):
+        return model
+    plain.set_state_dict(model.state_dict())  # the conversion keeps every name: the keys match one to one
+    return plain
+
+
+# Gradient buckets in MB. Smaller than Paddle's defaults (25, 1) so that the all-reduce of the last layers'
+# gradients starts while backward still runs through the first ones; the reasoning is in docs/performance.md.
+COMM_BUFFER_MB, LAST_COMM_BUFFER_MB = 2, 0.25
+
+
+def wrap(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
+    """DataParallel for more than one worker: it broadcasts rank 0's weights, then averages gradients."""
+    if env.world_size == 1:
+        return model
+    return paddle.DataParallel(model, comm_buffer_size=COMM_BUFFER_MB, last_comm_buffer_size=LAST_COMM_BUFFER_MB)
+
+
+def gradient_sync(model: paddle.nn.Layer, sync: bool):
+    """A context for one backward pass: all-reduce its gradients (sync) or keep them local (DataParallel.no_sync)."""
+    if sync or not isinstance(model, paddle.DataParallel):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
+    """Average the state that is not trained (batch norm running mean and variance) over workers, in place.
+
+    Without SyncBatchNorm each worker keeps running statistics of its own shards; averaging them before every
+    evaluation makes all ranks hold the model rank 0 saves, so the reported accuracy is that model's. Paddle
+    keeps these statistics as parameters with stop_gradient set, so those are averaged along with any buffers.
+    Frozen weights are averaged too: they stay equal on all ranks (unchanged when the world size is a power of
+    two; otherwise they may move by a rounding step).
+    """
+    if env.world_size == 1:
+        return
+    groups: dict[str, list[paddle.Tensor]] = {}
+    for t in _untrained(model):
+        groups.setdefault(str(t.dtype), []).append(t)
+    for group in groups.values():
+        _average_in_place(group)
+
+
+def _untrained(model: paddle.nn.Layer) -> list[paddle.Tensor]:
+    net = unwrap(model)
+    state = [p for p in net.parameters() if p.stop_gradient] + list(net.buffers())
+    return [t for t in state if t.is_floating_point()]
+
+
+def gather_untrained(model: paddle.nn.Layer, env: DistEnv) -> list[np.ndarray]:
+    """Every rank's untrained state (batch norm running statistics), one flat float64 vector per rank.
+
+    The checkpoint of a stop (SIGTERM) keeps them all instead of their average, so a resumed run continues each
+    rank's statistics exactly where they were: averaging at a step the uninterrupted run does not average at
+    would change the final statistics in the last bits. float64 holds float32, float16 and bfloat16 exactly.
+    """
+    tensors = _untrained(model)
+    if not tensors:
+        return []
+    flat = paddle.concat([t.astype("float64").reshape([-1]) for t in tensors])
+    if env.world_size == 1:
+        return [flat.numpy()]
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, flat)
+    return [t.numpy() for t in gathered]
+
+
+def set_untrained(model: paddle.nn.Layer, by_rank: list[np.ndarray], env: DistEnv) -> None:
+    """Restore this rank's entry of gather_untrained (their mean when the world size changed)."""
+    tensors = _untrained(model)
+    if not by_rank or not tensors:
+        return
+    flat = by_rank[env.rank] if len(by_rank) == env.world_size else np.mean(by_rank, axis=0)
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        value = paddle.to_tensor(flat[offset : offset + n].reshape(t.shape)).astype(t.dtype)
+        paddle.assign(value, output=t)
+        offset += n
+
+
+def gather_objects(obj: object, env: DistEnv) -> list:
+    """obj from every rank, in rank order: pickled, sent as bytes, read back by the checkpoint's restricted
+    unpickler (so only what a checkpoint may hold: RNG states, arrays, plain values). Every rank must call it."""
+    data = pickle.dumps(obj)
+    if env.world_size == 1:
+        return [safeload.loads(data, safeload.CHECKPOINT)]
+    lengths: list[paddle.Tensor] = []
+    dist.all_gather(lengths, paddle.to_tensor([len(data)], dtype="int64"))
+    sizes = [int(t.numpy()[0]) for t in lengths]
+    padded = np.zeros(max(sizes), dtype=np.uint8)  # all_gather needs one shape on every rank
+    padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    gathered: list[paddle.Tensor] = []
+    dist.all_gather(gathered, paddle.to_tensor(padded))
+    return [safeload.loads(t.numpy()[:n].tobytes(), safeload.CHECKPOINT) for t, n in zip(gathered, sizes)]
+
+
+def _average_in_place(tensors: list[paddle.Tensor]) -> None:
+    """Pack same-dtype tensors into one buffer, scale by 1/world size, sum over workers, copy back."""
+    flat = paddle.concat([t.reshape([-1]) for t in tensors])
+    flat.scale_(1.0 / dist.get_world_size())
+    dist.all_reduce(flat)
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        paddle.assign(flat[offset : offset + n].reshape(t.shape), output=t)
+        offset += n
+
+
+def device_sync(env: DistEnv):
+    """A function that waits for the device's queued work: CUDA kernels run asynchronously, CPU ones do not."""
+    if env.device.startswith("gpu"):
+        return paddle.device.cuda.synchronize
+    return lambda: None
+
+
+def unwrap(model: paddle.nn.Layer) -> paddle.nn.Layer:
+    return model._layers if isinstance(model, paddle.DataParallel) else model
+
+
+def _all_reduce(values: np.ndarray, env: DistEnv, op) -> np.ndarray:
+    values = np.asarray(values, dtype=np.float64)
+    if env.world_size == 1:
+        return values
+    t = paddle.to_tensor(values, dtype="float64")
+    dist.all_reduce(t, op=op)
+    return t.numpy()
+
+
+def all_reduce_sum(values: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Sum a small float64 vector over all workers (exact for counts below 2**53)."""
+    return _all_reduce(values, env, dist.ReduceOp.SUM)
+
+
+def all_reduce_max_values(values: np.ndarray, env: DistEnv) -> np.ndarray:
+    """Element-wise maximum of a small float64 vector over all workers."""
+    return _all_reduce(values, env, dist.ReduceOp.MAX)
+
+
+def all_reduce_max(value: float, env: DistEnv) -> float:
+    return float(all_reduce_max_values([value], env)[0])
+
+
+def job_store():
+    """The job-wide TCP key-value store that init_parallel_env() set up (counters via add())."""
+    return paddle.base.core.create_or_get_global_tcp_store()
+
+
+def barrier(env: DistEnv) -> None:
+    if env.world_size > 1:
+        dist.barrier()

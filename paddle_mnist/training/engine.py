@@ -1,0 +1,334 @@
+"""Training a step and an epoch, and one distributed evaluation, each returning its figures."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from paddle_mnist.config import Config
+from paddle_mnist.datasets import data
+from paddle_mnist.datasets.transfer import Feed
+from paddle_mnist.files.log import ProgressBar, memory_mb
+from paddle_mnist.network import dropout
+from paddle_mnist.runtime.distributed import (
+    DistEnv,
+    all_reduce_max,
+    all_reduce_sum,
+    device_sync,
+    gradient_sync,
+    unwrap,
+)
+from paddle_mnist.training import timing
+
+
+@dataclass(frozen=True)
+class EpochStats:
+    loss: float
+    acc: float
+    images: int  # global, all workers
+    steps: int
+    seconds: float  # slowest worker's wall time for the epoch's steps
+    input_wait: float  # this worker's seconds spent waiting for a batch
+    own_seconds: float  # this worker's wall time for the epoch's steps
+    phase_shares: dict  # this worker's share of step time per phase (timing.PHASES; None where not sampled)
+    samples: int  # steps whose phases were timed
+    clipped: int = 0  # steps whose gradients --clip-grad-norm scaled down (the same on every worker)
+    grad_norm: float = 0.0  # mean finite global gradient norm before clipping, when --clip-grad-norm is on
+    skipped: int = 0  # steps whose gradient norm was inf or NaN (fp16 overflow: the loss scaler skips them)
+
+    @property
+    def clipped_share(self) -> float:
+        """Of the steps with a finite gradient norm: a skipped step is neither clipped nor counted."""
+        counted = self.steps - self.skipped
+        return self.clipped / counted if counted else 0.0
+
+    @property
+    def images_per_sec(self) -> float:
+        return self.images / self.seconds if self.seconds > 0 else 0.0
+
+
+class Diverged(RuntimeError):
+    """The training loss stopped being a finite number."""
+
+
+@dataclass(frozen=True)
+class EvalStats:
+    loss: float
+    acc: float
+    count: int
+
+
+class Epoch:
+    """One epoch of training for one worker, a step at a time: `for step in Epoch(...)` trains one optimizer step
+    per iteration and hands control back after each (for checkpoints, stop signals, the moving average); once the
+    batches are used up, `stats` holds the epoch's figures, summed over workers. The state's position advances as
+    it goes, so a checkpoint taken between two steps records exactly where training stands.
+    """
+
+    def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger, feed: Feed):
+        self.state, self.batches, self.cfg, self.env, self.log, self.feed = state, batches, cfg, env, log, feed
+        self.loss_sum = paddle.zeros([], dtype="float32")  # this worker's, on the device: read only when needed
+        self.stats: EpochStats | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        state, cfg, env = self.state, self.cfg, self.env
+        state.model.train()
+        total = self.batches.count
+        bar = ProgressBar(env, total, f"epoch {state.epoch + 1}")
+        correct = paddle.zeros([], dtype="int64")
+        norms = NormTally(cfg.clip_grad_norm)
+        seen = steps = 0
+        timer = timing.StepTimer(cfg.timing_every, device_sync(env))
+        start = time.perf_counter()
+        batches = iter(self.batches)
+        try:
+            for steps in range(1, total + 1):
+                t0 = time.perf_counter()
+                images, labels = next(batches)
+                t1 = time.perf_counter()
+                timer.add("input_wait", t1 - t0)
+                sampled = timer if timer.wants(steps) else None
+                share = (env.rank * len(labels), env.world_size * len(labels))
+                loss, batch_loss_sum, batch_correct, norm = train_step(
+                    state, images, labels, cfg, sampled, self.feed, share
+                )
+                state.sched.step()
+                state.step += 1
+                state.batch_in_epoch += 1
+                t2 = time.perf_counter()
+                timer.add_compute(t2 - t1, sampled is not None)
+                self.loss_sum += batch_loss_sum
+                correct += batch_correct
+                seen += len(labels)
+                if norm is not None:
+                    norms.add(norm)
+                if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
+                    check_finite(float(self.loss_sum), state, env)
+                    elapsed = time.perf_counter() - start
+                    now = {
+                        "loss": float(loss),
+                        "acc": float(batch_correct) / len(labels),
+                        "lr": state.opt.get_lr(),
+                        "images_per_sec": seen * env.world_size / elapsed,
+                        "input_wait_share": timer.seconds["input_wait"] / elapsed,
+                    }
+                    self.log.info(  # the memory figure is the last word of a worker the out-of-memory killer ends
+                        f"epoch {state.epoch + 1} step {steps}/{total} loss {now['loss']:.4f} lr {now['lr']:.5f} "
+                        f"{now['images_per_sec']:.0f} img/s (global), memory {memory_mb()[0]:.0f} MiB",
+                        extra={"step": state.step, "scalars": now},  # figures for --visualdl's handler
+                    )
+                if bar.enabled:
+                    bar.update(steps, f"loss {float(loss):.4f}")
+                yield state.step  # the caller's checkpoints and meetings count as logging/checkpoints time
+                timer.add("logging", time.perf_counter() - t2)
+        finally:
+            self.batches.close()
+        own = time.perf_counter() - start
+        seconds = all_reduce_max(own, env)
+        totals = all_reduce_sum([float(self.loss_sum), float(correct), seen], env)
+        check_finite(totals[0], state, env)
+        images = int(totals[2])
+        self.stats = EpochStats(
+            loss=totals[0] / max(images, 1),
+            acc=totals[1] / max(images, 1),
+            images=images,
+            steps=steps,
+            seconds=seconds,
+            input_wait=timer.seconds["input_wait"],
+            own_seconds=own,
+            phase_shares=timing.shares(timer.seconds, own, timer.compute, timer.sampled_compute),
+            samples=timer.samples,
+            clipped=int(norms.clipped),
+            grad_norm=norms.mean(),
+            skipped=int(norms.skipped),
+        )
+
+
+class NormTally:
+    """An epoch's global gradient norms before clipping, summed on the device (no wait for a value at each step).
+
+    With fp16, an overflow step's gradients are inf or NaN after unscaling, and GradScaler skips that step: its
+    norm is left out of the mean and out of the clipped count, and counted as skipped instead.
+    """
+
+    def __init__(self, clip: float):
+        self.clip = clip
+        self.total = paddle.zeros([], dtype="float32")
+        self.clipped = paddle.zeros([], dtype="int64")
+        self.skipped = paddle.zeros([], dtype="int64")
+        self.counted = paddle.zeros([], dtype="int64")
+
+    def add(self, norm: paddle.Tensor) -> None:
+        finite = paddle.isfinite(norm)
+        self.total += paddle.where(finite, norm, paddle.zeros_like(norm))
+        self.clipped += paddle.logical_and(finite, norm > self.clip).astype("int64")
+        self.skipped += paddle.logical_not(finite).astype("int64")
+        self.counted += finite.astype("int64")
+
+    def mean(self) -> float:
+        return float(self.total) / max(int(self.counted), 1)
+
+
+def amp_context(cfg: Config):
+    """auto_cast for --amp fp16/bf16; a context that changes nothing when it is off."""
+    if cfg.amp == "off":
+        return contextlib.nullcontext()
+    return paddle.amp.auto_cast(dtype={"fp16": "float16", "bf16": "bfloat16"}[cfg.amp], level="O1")
+
+
+def global_grad_norm(params: list) -> paddle.Tensor:
+    """The norm of all gradients together, as paddle.nn.ClipGradByGlobalNorm computes it (in float32)."""
+    squares = [paddle.sum(paddle.square(p.grad.astype("float32"))) for p in params if p.grad is not None]
+    return paddle.sqrt(paddle.add_n(squares))
+
+
+def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, share=None):
+    """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
+
+    norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
+    ClipGradByGlobalNorm clips the averaged gradients, which are the same on every worker, so all clip alike.
+
+    Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
+    mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
+    backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed at
+    their boundaries and nothing else changes: DataParallel's all-reduce stays inside the last backward pass.
+
+    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU); share is
+    (position, total): they are places position .. of a global batch of total images, (0, len(labels)) when None.
+    The model's dropout layers draw their masks by place in the global batch (dropout.Place).
+    """
+    model, opt, scaler = state.model, state.opt, state.scaler
+    k = cfg.accum_steps
+    loss_sums, corrects = [], []
+    position, total = share or (0, len(labels))
+    drops = dropout.layers(model)
+    if timer:
+        timer.begin()
+    for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
+        place = dropout.Place(cfg.seed, state.step, position, total)
+        position += len(y)
+        with gradient_sync(model, i == k - 1):
+            with amp_context(cfg), dropout.placed(drops, place):
+                logits = model(x)
+            if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
+                logits = logits.astype("float32")
+            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+            part = loss / k if k > 1 else loss
+            if timer:
+                timer.mark("forward")
+            (scaler.scale(part) if scaler else part).backward()
+            if timer:
+                timer.mark("backward")
+        loss_sums.append(loss.detach() * len(y))
+        corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
+    norm = None
+    if cfg.clip_grad_norm:
+        if scaler:
+            scaler.unscale_(opt)  # the norm of the true gradients; scaler.step then does not unscale again
+        norm = global_grad_norm(model.parameters())
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    opt.clear_grad()
+    if timer:
+        timer.mark("optimizer")
+    if k == 1:
+        return loss, loss_sums[0], corrects[0], norm
+    return loss, paddle.add_n(loss_sums), paddle.add_n(corrects), norm
+
+
+def weights_finite(model: paddle.nn.Layer) -> bool:
+    return all(bool(paddle.isfinite(p).all()) for p in model.parameters())
+
+
+def check_finite(loss_sum: float, state, env: DistEnv) -> None:
+    """Stop every worker together once any worker's loss is NaN or infinite (an all-reduce, so none is left
+    waiting). Checkpoints are never written from a diverged state, so the last one is good."""
+    bad = all_reduce_sum([0.0 if math.isfinite(loss_sum) else 1.0], env)[0]
+    if bad:
+        raise Diverged(
+            f"the training loss became NaN or infinite by step {state.step} (learning rate {state.opt.get_lr():.4g}); "
+            "the likely cause is a learning rate too high for this batch size: lower --lr, and restart or --resume "
+            "from the last checkpoint (it was saved before the loss diverged)"
+        )
+
+
+def check_weights(state) -> None:
+    """Stop once the weights are NaN or infinite: they are identical on every rank, so all stop here together."""
+    if not weights_finite(state.model):
+        raise Diverged(
+            f"the weights became NaN or infinite in epoch {state.epoch + 1} (by step {state.step}); lower --lr, and "
+            "restart or --resume from the last checkpoint (it was saved before this)"
+        )
+
+
+@paddle.no_grad()
+def evaluate(
+    model: paddle.nn.Layer,
+    split: data.Split,
+    ds: data.Dataset,
+    cfg: Config,
+    env: DistEnv,
+    alive: Callable[..., None] | None = None,
+    tta: bool = False,
+) -> EvalStats:
+    """Each worker scores its own disjoint shard; the sums are all-reduced, so every image counts once. tta: with
+    cfg's test-time augmentation (--tta, --tta-shift), else each image once.
+
+    alive: called after every layer's forward (the watchdog's, so that a long evaluation is not taken for a hang,
+    and another rank waiting for this one in the all-reduce sees it at work however large the batch).
+    """
+    net = unwrap(model)
+    net.eval()
+    shard = data.eval_shard(len(split), env.rank, env.world_size)
+    hooks = [layer.register_forward_post_hook(alive) for layer in net.sublayers()] if alive else []
+    try:
+        sums = _score_shard(net, split, ds, cfg, shard, tta)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    correct, loss_sum, count = all_reduce_sum(sums, env)
+    return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))
+
+
+def tta_logits(net: paddle.nn.Layer, x: paddle.Tensor, shift: bool) -> paddle.Tensor:
+    """The mean output over the image and its mirror image; with shift, the pair counts half and the other half
+    goes to the pair moved 1 px up-left and the pair moved 1 px down-right (edges reflected)."""
+    pair = (net(x) + net(paddle.flip(x, axis=[3]))) / 2
+    if not shift:
+        return pair
+    h, w = x.shape[2], x.shape[3]
+    padded = F.pad(x, [1, 1, 1, 1], mode="reflect")
+    moved = 0
+    for at in (0, 2):
+        view = padded[:, :, at : at + h, at : at + w]
+        moved = moved + (net(view) + net(paddle.flip(view, axis=[3]))) / 4
+    return (pair + moved) / 2
+
+
+def _score_shard(
+    net: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, shard: range, tta: bool = False
+) -> np.ndarray:
+    """(correct, summed loss, count) over the shard's images, batch by batch."""
+    sums = np.zeros(3)
+    for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
+        idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
+        images, labels = next(data.batches(split, ds, [idx]))
+        x, y = paddle.to_tensor(images), paddle.to_tensor(labels)
+        logits = tta_logits(net, x, cfg.tta_shift) if tta and cfg.tta else net(x)
+        sums += (
+            float((logits.argmax(axis=1) == y).astype("int64").sum()),
+            float(F.cross_entropy(logits, y, reduction="sum")),
+            len(idx),
+        )
+    return sums

@@ -1,0 +1,340 @@
+"""What a run does around its training steps: where all ranks meet (stop signals, failed writes), checkpoints,
+the epoch's row and log lines, the best model, the watchdog, the profiler window, and whether it learned anything."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from paddle_mnist.config import Config, profile_window, tta_each_epoch
+from paddle_mnist.files import checkpoint
+from paddle_mnist.files.log import memory_mb
+from paddle_mnist.files.outputs import BEST_WEIGHTS, RunFiles, WriteFailed
+from paddle_mnist.runtime import distributed, preempt
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.runtime.preempt import Preempted, StopSignals
+from paddle_mnist.runtime.watchdog import Watchdog
+from paddle_mnist.training import chance, engine, timing
+from paddle_mnist.training.profiling import ProfileWindow
+from paddle_mnist.training.state import TrainState
+
+
+def stopped(signum: int, step: int, where: str, saved: Path | None, sender: str = "") -> Preempted:
+    """sender: who took the signal where it was another rank (Session.sender), else empty."""
+    kept = f"checkpoint {saved}" if saved else "nothing trained yet, so no checkpoint"
+    return Preempted(
+        signum,
+        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}{sender}); {kept}; "
+        f"continue with: {preempt.resume_command()}",
+    )
+
+
+def epoch_row(cfg: Config, env: DistEnv, state: TrainState, stats: engine.EpochStats, val) -> dict:
+    """One line of metrics.jsonl."""
+    clipping = (
+        {"clipped_share": stats.clipped_share, "grad_norm": stats.grad_norm, "skipped_steps": stats.skipped}
+        if cfg.clip_grad_norm
+        else {}
+    )
+    return {
+        "epoch": state.epoch + 1,
+        "step": state.step,
+        "train_loss": stats.loss,
+        "train_acc": stats.acc,
+        "val_loss": val.loss,
+        "val_acc": val.acc,
+        "val_count": val.count,
+        "images_per_sec": stats.images_per_sec,
+        "epoch_time_s": stats.seconds,
+        "input_wait_share": stats.input_wait / stats.seconds if stats.seconds else 0.0,
+        "step_time_shares": stats.phase_shares,  # rank 0's; every rank logs its own
+        "world_size": env.world_size,
+        "global_batch_size": cfg.batch_size,
+        "lr": state.opt.get_lr(),
+        "rss_mb": memory_mb()[0],
+        "time_s": timing.since_command_start(),  # seconds since the command (the launcher, if any) started
+        **clipping,
+    }
+
+
+def log_epoch(
+    log: logging.Logger, cfg: Config, row: dict, stats: engine.EpochStats, cut: tuple[int, int] | None = None
+) -> None:
+    """The epoch's lines; cut: (batches trained, batches per epoch) when --max-steps ended training mid-epoch."""
+    step_ms = 1000 * stats.own_seconds / max(stats.steps, 1)
+    shares = timing.describe(stats.phase_shares, step_ms, stats.samples, row["world_size"])
+    log.info(f"epoch {row['epoch']} time per {shares}")
+    # logs.py reads "epoch N/M done" and "epoch N/M stopped at --max-steps S"
+    ended = f"stopped at --max-steps {cfg.max_steps} (batch {cut[0]} of {cut[1]})" if cut else "done"
+    log.info(
+        f"epoch {row['epoch']}/{cfg.epochs} {ended}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+        f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f} ({row['val_count']} images) | "
+        f"{row['epoch_time_s']:.1f}s, {row['images_per_sec']:.0f} img/s global, "
+        f"input wait {100 * row['input_wait_share']:.1f}%, memory {row['rss_mb']:.0f} MiB"
+    )
+    if cfg.clip_grad_norm:
+        skipped = (
+            f"; {stats.skipped} step(s) skipped with inf/NaN gradients (fp16 overflow), left out of these figures"
+            if stats.skipped
+            else ""
+        )
+        log.info(
+            f"epoch {row['epoch']} gradient clipping at norm {cfg.clip_grad_norm:g}: clipped {stats.clipped} of "
+            f"{stats.steps - stats.skipped} steps ({100 * stats.clipped_share:.0f}%), mean norm before clipping "
+            f"{stats.grad_norm:.3f}{skipped}"
+        )
+
+
+def check_best(state: TrainState, files: RunFiles, log: logging.Logger) -> None:
+    """On resume (rank 0): keep the best-so-far the checkpoint records if model_best.pdparams still holds it.
+
+    The checkpoint is written before model_best.pdparams, so a stop between the two leaves the checkpoint's best
+    newer than the file; that best is then the checkpoint's own epoch, whose weights were just restored and are
+    written again. Any other mismatch (the file deleted or replaced) restarts the count, with a warning.
+    """
+    best = state.best
+    if not best or not files.enabled:
+        return
+    path = Path(files.out) / BEST_WEIGHTS
+    try:
+        if checkpoint.digest_state(checkpoint.load(path)) == best["digest"]:
+            return
+    except (OSError, checkpoint.CheckpointError):
+        pass
+    net = distributed.unwrap(state.scored)
+    if best["step"] == state.step and checkpoint.digest(net) == best["digest"]:
+        files.save_best(net)
+        return
+    log.warning(
+        f"warning: {path} does not hold the best epoch the checkpoint records (epoch {best['epoch']}, validation "
+        f"accuracy {best['val_acc']:.4f}); the best model is chosen again from the epochs still to come"
+    )
+    state.best = None
+
+
+class Session:
+    """One session of a run, from the first meeting of the ranks to the last training step.
+
+    Ranks meet (one all-reduce of three numbers) at every epoch end and every few mid-epoch steps (Cadence: about
+    every quarter second): a stop signal that reached only some ranks, or a failed write on rank 0, then stops all
+    of them at the same step, after a checkpoint. An epoch whose training loss is still at chance well after the
+    warmup (chance.stall_judged) ends training too, after its checkpoint: `stalled` then holds the error's text.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        env: DistEnv,
+        log: logging.Logger,
+        state: TrainState,
+        files: RunFiles,
+        *,
+        stop: StopSignals,
+        batches_per_epoch: int,
+        resumed: Path | None,
+        levels: chance.LossLevels,
+        eval_images: int,
+    ):
+        self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
+        self.stop, self.batches_per_epoch, self.resumed, self.levels = stop, batches_per_epoch, resumed, levels
+        # the schedule's own count (paddle's LinearWarmup keeps it), so this follows however the warmup is planned
+        self.warmup_steps = getattr(state.sched, "warmup_steps", 0)
+        self.stalled: str | None = None
+        self.last_loss: float | None = None  # the last epoch's mean training loss, this session's
+        planned = cfg.epochs * self.batches_per_epoch
+        self.last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
+        self.cadence = preempt.Cadence()
+        self.dog = Watchdog(env, cfg.collective_timeout, log)
+        self.profile = ProfileWindow(profile_window(cfg.profile_steps), cfg.output_dir, env, log)
+        self.started = time.time()
+        self.eval_images = eval_images  # one evaluation's, for the estimate of the run's time
+        self.first_step = state.step  # this session's: a resumed run estimates only the steps it has left
+        self.clock = timing.RunClock()
+        self.sender = ""  # set by meet(): which rank took the stop signal, where this one took none
+
+    def __enter__(self) -> Session:
+        if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
+            raise stopped(signum, self.state.step, "before training", self.resumed, self.sender)
+        self.started = time.time() - self.state.trained_before  # wall time covers every session of the run
+        self.profile.begin(self.state.step)
+        self.dog.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.dog.__exit__(*exc)
+        if exc[0] is None:
+            self.profile.finish()  # training ended inside the window: write what was recorded
+
+    def training(self) -> bool:
+        return self.state.epoch < self.cfg.epochs and self.state.step < self.last_step
+
+    def batch_count(self) -> int:
+        """Batches the next epoch trains: the rest of the epoch, or fewer if --max-steps comes first."""
+        return min(self.batches_per_epoch - self.state.batch_in_epoch, self.last_step - self.state.step)
+
+    def elapsed(self) -> float:
+        return time.time() - self.started
+
+    def meet(self, at_step: int) -> int:
+        """All stop if rank 0's last write failed; else the agreed stop signal (0: none). A rank that took none
+        learns which rank did (the highest) and whether that rank's launcher went away, for its stop line."""
+        mine = self.env.rank + 1
+        orphan = self.stop.launcher is not None and self.stop.launcher.gone()
+        shared = [self.stop.signum, self.files.failure is not None, self.cadence.seconds_per_step(at_step)]
+        shared += [mine if self.stop.signum else 0, mine if orphan else 0]
+        signum, failed, per_step, took, orphaned = distributed.all_reduce_max_values(shared, self.env)
+        if failed:
+            raise WriteFailed(self.files.failure_message())
+        self.cadence.plan(at_step, per_step)
+        if signum:
+            self.stop.explain()
+            if not self.stop.signum and took:
+                why = ", its launcher having gone away" if orphaned == took else ""
+                self.sender = f"; rank {int(took) - 1} took the signal{why}, this rank none"
+        return int(signum)
+
+    def average_statistics(self) -> None:
+        """Every rank takes part, so every rank then holds the statistics rank 0 saves and evaluates with."""
+        distributed.average_running_statistics(self.state.model, self.env)
+        if self.state.ema:
+            distributed.average_running_statistics(self.state.ema.net, self.env)
+
+    def after_step(self, loss_sum) -> None:
+        state, cfg = self.state, self.cfg
+        self.clock.step()
+        if self.clock.steps == timing.ESTIMATE_AFTER and self.env.is_main:
+            self.log.info(self.estimate())
+        self.dog.progress(state.step)
+        self.profile.after_step(state.step)
+        if state.ema:
+            state.ema.update(state.step)
+        every = cfg.save_every_steps
+        inside = state.batch_in_epoch < self.batches_per_epoch
+        saved = every and state.step % every == 0 and inside
+        if saved:
+            self._save_mid_epoch(loss_sum, for_stop=False)
+        # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
+        meeting = inside and state.step < self.last_step and self.cadence.due(state.step)
+        if meeting and (signum := self.meet(state.step)):
+            if not saved:
+                self._save_mid_epoch(loss_sum, for_stop=True)
+                self.meet(state.step)  # a failed save stops every rank with the write error
+            where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
+
+    def estimate(self) -> str:
+        """This session's time from its first step to its last epoch's end (training and evaluation; not start-up,
+        a separate test split's score or the export), from the steps and epoch ends timed so far."""
+        cfg, state, clock, per_epoch = self.cfg, self.state, self.clock, self.batches_per_epoch
+        per_step = clock.step_seconds / max(clock.steps, 1)
+        steps_left = self.last_step - state.step
+        ends = timing.epoch_ends_left(state.batch_in_epoch, per_epoch, steps_left)
+        if clock.ends:
+            per_end = clock.end_seconds / clock.ends
+            rates = f"{timing.step_text(per_step)} a step, {timing.duration_text(per_end)} an evaluation so far"
+        else:  # forward passes only, sharded like training; --tta's views each epoch only with --target-acc
+            views = (6 if cfg.tta_shift else 2) if tta_each_epoch(cfg) else 1
+            per_end = per_step * self.eval_images / cfg.batch_size * timing.EVAL_COST * views
+            guessed = timing.duration_text(per_end)
+            rates = f"{timing.step_text(per_step)} a step so far, an evaluation guessed at {guessed}"
+        left = steps_left * per_step + ends * per_end
+        total = clock.so_far() + left
+        evaluations = self._evaluations(ends + clock.ends)
+        now = time.time()
+        return (
+            f"estimated time: {timing.duration_text(total)} for {self._steps_text()}{evaluations} ({rates}); "
+            f"ends about {timing.clock_text(now + left, now)}"
+        )
+
+    def _steps_text(self) -> str:
+        """The steps this session trains, as the plan and --max-steps make them."""
+        cfg, per_epoch = self.cfg, self.batches_per_epoch
+        planned, steps = cfg.epochs * per_epoch, self.last_step - self.first_step
+        if self.first_step and self.last_step < planned:
+            return f"the {steps} steps left to --max-steps {cfg.max_steps}"
+        if self.first_step:
+            return f"the {steps} steps left of {cfg.epochs} epochs of {per_epoch}"
+        if self.last_step < planned:
+            return f"{steps} steps (--max-steps; {cfg.epochs} epochs would be {planned})"
+        return f"{cfg.epochs} epochs of {per_epoch} steps"
+
+    def _evaluations(self, count: int) -> str:
+        if not self.eval_images:
+            return ""
+        return f" and {count} evaluation{'s' if count > 1 else ''} of {self.eval_images} images"
+
+    def _save_mid_epoch(self, loss_sum, for_stop: bool) -> None:
+        state, env = self.state, self.env
+        if for_stop:
+            # a save an uninterrupted run does not make: keep each rank's batch norm statistics as they are
+            # (averaging them would change the final ones in the last bits), for the resumed run
+            extra = {"untrained_by_rank": distributed.gather_untrained(state.model, env)}
+            if state.ema:
+                extra["ema_untrained_by_rank"] = distributed.gather_untrained(state.ema.net, env)
+        else:
+            # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
+            self.average_statistics()
+            extra = {}
+        rng_by_rank = state.gather_rng(env)
+        # never let diverged weights push a good checkpoint out; the next loss check stops every rank
+        if self.files.enabled and np.isfinite(float(loss_sum)) and engine.weights_finite(state.model):
+            self.files.save_checkpoint({**state.contents(self.elapsed(), rng_by_rank), **extra})
+
+    def end_epoch(self, stats: engine.EpochStats, val) -> bool:
+        """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached, or the
+        training loss stalled at chance (`stalled`)."""
+        state, cfg = self.state, self.cfg
+        self.dog.progress(state.step)
+        row = epoch_row(cfg, self.env, state, stats, val)
+        # an epoch ends short of its batches only where --max-steps comes first
+        cut = (state.batch_in_epoch, self.batches_per_epoch) if state.batch_in_epoch < self.batches_per_epoch else None
+        log_epoch(self.log, cfg, row, stats, cut)
+        self.last_loss = stats.loss
+        engine.check_weights(state)  # the loss was checked, on every rank, at the end of the epoch
+        self.files.append_metrics(row)
+        improved = state.best is None or val.acc > state.best["val_acc"]
+        if improved:
+            net = distributed.unwrap(state.scored)
+            digest = checkpoint.digest(net) if self.files.enabled else ""
+            state.best = {"epoch": row["epoch"], "step": state.step, "val_acc": val.acc, "val_loss": val.loss}
+            state.best["digest"] = digest
+        state.end_epoch(self.batches_per_epoch)
+        rng_by_rank = state.gather_rng(self.env)  # every rank's generators; rank 0 alone writes them
+        if self.files.enabled:
+            # the checkpoint first, then the best weights: see check_best for a stop between the two
+            self.files.save_checkpoint(state.contents(self.elapsed(), rng_by_rank))
+            if improved:
+                self.files.save_best(net)
+        self.clock.epoch_end()
+        if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
+            where = f"end of epoch {row['epoch']}"
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
+        if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
+            self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
+            return True
+        # the loss is summed over all workers and the steps are the same everywhere: every rank stops here alike
+        if chance.stall_judged(state.step - stats.steps, self.warmup_steps) and self.levels.stalled(stats.loss):
+            self.stalled = chance.stall_message(self.levels, stats.loss, state.step, row["epoch"], cfg.output_dir)
+            return True
+        return False
+
+    def verdict(self, acc: float, level: chance.AccuracyLevel) -> chance.Verdict:
+        """Whether the run learned anything, from its final test accuracy (or its stall); a warning when the
+        accuracy is at chance after too few steps to judge."""
+        step = self.state.step
+        judged = chance.judge(acc, level, step, self.warmup_steps, self.stalled is not None)
+        if judged is None and level.at_chance(acc) and level.bound < 1:
+            self.log.warning(
+                f"warning: the test accuracy {acc:.4f} is no better than chance ({level.share:.4f}, {level.bound:.4f} "
+                f"with {chance.Z:g} standard errors) after {step} steps, too few to judge the run by "
+                f"({chance.JUDGE_STEPS} after the warmup): train longer"
+            )
+        message = self.stalled
+        if judged and not message:
+            loss, level_loss = self.last_loss, self.levels.chance
+            trained = "" if loss is None else f" (training loss {loss:.3f}, chance {level_loss:.3f})"
+            message = chance.final_message(level, acc, step, trained, self.cfg.output_dir)
+        return chance.Verdict(judged, message, level)
