@@ -142,8 +142,11 @@ def test_summary_is_logged_once_by_rank_zero(one_and_two):
     first, second = worker_log(one_and_two / "log", 0), worker_log(one_and_two / "log", 1)
     headline = f"model mnist_cnn: {count_parameters(MnistCNN()):,} trained parameters; forward pass 4.72 MFLOPs"
     assert first.count(headline) == 1, first[:3000]
-    assert re.search(r"Conv2D-\d+ +\[\[1, 20, 14, 14\]\] +\[1, 20, 14, 14\] +10,020", first), first[:3000]
-    assert headline not in second and "Layer (type)" not in second
+    assert "Layer (type)" not in first and "Layer (type)" not in second  # the table is a file, not log lines
+    table = (one_and_two / "two" / "model_summary.txt").read_text()
+    assert re.search(r"Conv2D-\d+ +\[\[1, 20, 14, 14\]\] +\[1, 20, 14, 14\] +10,020", table), table
+    assert f"its layers: {one_and_two / 'two' / 'model_summary.txt'}" in first, first[:3000]
+    assert headline not in second
 
 
 @pytest.mark.slow

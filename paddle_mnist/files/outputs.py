@@ -23,6 +23,7 @@ from paddle_mnist.runtime.distributed import DistEnv
 METRICS = plots.METRICS_FILE
 CONFIG = CONFIG_FILE
 RESULTS = "results.json"
+MODEL_SUMMARY = "model_summary.txt"  # paddle.summary's table of layers, input and output shapes and parameters
 WEIGHTS = checkpoint.WEIGHTS  # the last weights
 BEST_WEIGHTS = checkpoint.BEST_WEIGHTS  # the weights of the epoch with the highest validation accuracy
 RESULT_FILES = (METRICS, WEIGHTS, BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
@@ -209,6 +210,9 @@ class RunFiles:
             export.export_inference(net, ds, self.out / "inference", weights)
 
     def write_json(self, name: str, obj: dict) -> None:
+        self.write_text(name, json.dumps(obj, indent=2) + "\n")
+
+    def write_text(self, name: str, text: str) -> None:
         if self.enabled and not self.failure:
             with self._writing(self.out / name):
-                atomic.write_text(self.out / name, json.dumps(obj, indent=2) + "\n")
+                atomic.write_text(self.out / name, text if text.endswith("\n") else text + "\n")

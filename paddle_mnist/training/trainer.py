@@ -22,7 +22,7 @@ from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import checkpoint
 from paddle_mnist.files.checkpoint import CheckpointStore
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.files.outputs import BEST_WEIGHTS, RESULTS, WEIGHTS, RunFiles, output_dir_problem
+from paddle_mnist.files.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
 from paddle_mnist.network import summary, whiten
 from paddle_mnist.network.models import build_model, count_parameters
 from paddle_mnist.ops import onednn
@@ -160,13 +160,15 @@ def _choose_checkpoint(store: CheckpointStore, cfg: Config, env: DistEnv, log: l
     return store.path(int(step)) if step >= 0 else None
 
 
-def _log_model(cfg: Config, env: DistEnv, log: logging.Logger, ds: data.Dataset, model: paddle.nn.Layer) -> None:
-    if env.is_main:  # once per run: the headline, then paddle.summary's table of layers and output shapes
-        described = summary.describe(cfg.model, len(ds.classes), ds.image_shape)
-        for line in [described.headline(cfg.model), *described.table.splitlines()]:
-            log.info(line)
-    else:
+def _log_model(cfg: Config, env: DistEnv, log: logging.Logger, ds: data.Dataset, model: paddle.nn.Layer) -> str | None:
+    """Rank 0 logs the model's headline once per run and returns paddle.summary's table of layers and output shapes,
+    which goes to MODEL_SUMMARY in the output directory, not into the log; the other ranks log the parameters."""
+    if not env.is_main:
         log.info(f"model {cfg.model}: {count_parameters(model):,} parameters")
+        return None
+    described = summary.describe(cfg.model, len(ds.classes), ds.image_shape)
+    log.info(f"{described.headline(cfg.model)}; its layers: {Path(cfg.output_dir) / MODEL_SUMMARY}")
+    return described.table
 
 
 def _check_start(cfg: Config, env: DistEnv) -> int:
@@ -282,7 +284,7 @@ def train_and_evaluate(
 
     whitened = whitening if cfg.whiten else None
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened)
-    _log_model(cfg, env, log, ds, state.model)
+    table = _log_model(cfg, env, log, ds, state.model)
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
     resumed = _choose_checkpoint(store, cfg, env, log)
     if resumed:
@@ -295,6 +297,8 @@ def train_and_evaluate(
         log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
     files = RunFiles(cfg, env, store)
     files.start(state.epoch if resumed else None, state.step, log)
+    if table:
+        files.write_text(MODEL_SUMMARY, table)
     check_best(state, files, log)
     state.start(env)
 
