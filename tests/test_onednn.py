@@ -420,6 +420,24 @@ def test_minigooglenets_first_module_on_a_1_channel_image_takes_a_direct_weight_
     weights_pass_ran(code, "mb8_ic1oc96")  # a direct kernel, asserted there
 
 
+@pytest.mark.parametrize("isa", [None, "SSE41"])
+def test_a_build_whose_convolutions_run_on_onednns_reference_loops_is_not_used(op, isa):
+    """The start-up check counts the convolution primitives made on oneDNN's reference loops, which compute the
+    right numbers element by element: on a processor without the instructions of oneDNN's kernels for the blocked
+    layout (here oneDNN held to SSE4.1 by ONEDNN_MAX_CPU_ISA, on a machine whose flags choose the layout) the
+    trainer takes Paddle's convolutions and says why; with all its instructions, oneDNN's."""
+    env = launch_env() | ({"ONEDNN_MAX_CPU_ISA": isa} if isa else {})
+    code = "from paddle_mnist.ops import onednn as o; print(o.activate(o.prepare('auto'), 'cpu'))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    if isa is None:
+        assert line.startswith("convolutions: oneDNN"), line
+    else:
+        assert line.startswith("convolutions: Paddle's (oneDNN's operator from"), line
+        assert "reference loops" in line and "Paddle's run faster" in line, line
+
+
 def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path):
     """paddle.jit.save traces the network outside dygraph, where Conv2D takes F.conv2d: Paddle Inference and ONNX
     get the operator they know, never the custom one."""

@@ -286,7 +286,8 @@ def load(library: Path):
 def check(ops) -> None:
     """Both convolutions against F.conv2d on two small geometries (padded, strided and not), outputs and every
     gradient, the max-pool against F.max_pool2d (check_max_pool) and the blocked operators (check_blocked).
-    Unavailable where they differ: such a build is not used."""
+    Unavailable where they differ, or where a convolution ran on oneDNN's reference loops (right, and slow): such a
+    build is not used."""
     rng = paddle.get_rng_state()
     try:
         paddle.seed(0)
@@ -307,6 +308,11 @@ def check(ops) -> None:
                         )
         check_max_pool(ops)
         check_blocked(ops)
+        if slow := reference_kernels(ops):
+            raise Unavailable(
+                f"oneDNN has only its reference loops, which go element by element, for {slow} of the checked "
+                "convolutions on this processor (no JIT kernel for their layouts): Paddle's run faster"
+            )
     finally:
         paddle.set_rng_state(rng)
 
@@ -544,6 +550,12 @@ def kept_plans(ops=None) -> int:
     """How many plans (primitives made for one shape) the operators' caches keep, all together. Only backward
     passes keep one, and each cache keeps at most PLAN_CACHE_CAPACITY (csrc/onednn_common.h's PlanCache)."""
     return int((ops or _ops).onednn_kept_plans(paddle.zeros([1])).numpy()[0])
+
+
+def reference_kernels(ops=None) -> int:
+    """How many convolution primitives this process made on oneDNN's reference loops (note_kernel in
+    csrc/onednn_common.h): check() refuses a build that makes any."""
+    return int((ops or _ops).onednn_reference_kernels(paddle.zeros([1])).numpy()[0])
 
 
 def unblock(x: paddle.Tensor) -> paddle.Tensor:

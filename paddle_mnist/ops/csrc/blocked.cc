@@ -123,6 +123,7 @@ struct Module {
         bn(bn_pd),
         relu_pd(cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_relu, dst, dst, 0.f),
         relu(relu_pd) {
+    note_kernel(conv_pd);
     if (training) make_backward();
   }
 
@@ -177,7 +178,10 @@ struct ModuleBackward {
                 m.shape.strides, m.shape.pad_left, m.shape.pad_right, m.conv_pd),
         data(data_pd),
         data_weights(m.shape.weights, data_pd.weights_desc()),
-        data_src(m.src_user, data_pd.diff_src_desc()) {}
+        data_src(m.src_user, data_pd.diff_src_desc()) {
+    note_kernel(weights_pd);
+    note_kernel(data_pd);
+  }
 
   dnnl::eltwise_backward::primitive_desc relu_pd;
   dnnl::eltwise_backward relu;
@@ -326,6 +330,7 @@ std::vector<paddle::Tensor> InferenceForward(const paddle::Tensor& x, const padd
       cpu_engine(), dnnl::prop_kind::forward_inference, dnnl::algorithm::convolution_direct,
       s.blocked_src ? src_user : any(s.src), any(s.weights), per_channel(c), dst, s.strides, s.pad_left,
       s.pad_right, attr);
+  note_kernel(pd);
   const Operand src(src_user, pd.src_desc()), weights(s.weights, pd.weights_desc());
   auto out = empty(blocked_shape(s.dst, block));
   dnnl::convolution_forward(pd).execute(cpu_stream(), {{DNNL_ARG_SRC, src.input(x.data<float>())},

@@ -92,6 +92,19 @@ class Operand {
   bool reordered_ = false;
 };
 
+// How many convolution primitives this process made on oneDNN's reference loops, which go element by element (a
+// processor without the instructions of oneDNN's JIT kernels for a layout): what onednn_reference_kernels reports,
+// and what the start-up check refuses (onednn.py).
+inline std::atomic<int64_t>& reference_kernels() {
+  static std::atomic<int64_t> count{0};
+  return count;
+}
+
+inline void note_kernel(const dnnl::primitive_desc& pd) {
+  const std::string kernel = pd.impl_info_str();
+  if (kernel.find("ref") != std::string::npos) ++reference_kernels();
+}
+
 // How many plans the caches of all operators keep, together (what onednn_kept_plans reports).
 inline std::atomic<int64_t>& kept_plans() {
   static std::atomic<int64_t> count{0};

@@ -91,7 +91,10 @@ struct Backward {
         weights_src(g.src, weights_pd.src_desc()),
         weights_diff_dst(g.dst, weights_pd.diff_dst_desc()),
         weights_diff_weights(g.weights, weights_pd.diff_weights_desc()),
-        share_diff_dst(data_pd.diff_dst_desc() == weights_pd.diff_dst_desc()) {}
+        share_diff_dst(data_pd.diff_dst_desc() == weights_pd.diff_dst_desc()) {
+    note_kernel(data_pd);
+    note_kernel(weights_pd);
+  }
 
   dnnl::convolution_backward_data::primitive_desc data_pd;
   dnnl::convolution_backward_weights::primitive_desc weights_pd;
@@ -116,6 +119,7 @@ struct Plan {
         fwd_src(g.src, fwd_pd.src_desc()),
         fwd_weights(g.weights, fwd_pd.weights_desc()),
         fwd_dst(g.dst, fwd_pd.dst_desc()) {
+    note_kernel(fwd_pd);
     if (training) bwd = std::make_unique<Backward>(g, fwd_pd);
   }
 
@@ -289,6 +293,20 @@ std::vector<paddle::Tensor> KeptPlans(const paddle::Tensor& unused) {
 std::vector<std::vector<int64_t>> KeptPlansInferShape(const std::vector<int64_t>& unused) { return {{1}}; }
 
 std::vector<paddle::DataType> KeptPlansInferDtype(const paddle::DataType& unused) { return {paddle::DataType::INT64}; }
+
+// How many convolution primitives were made on oneDNN's reference loops (note_kernel in onednn_common.h).
+std::vector<paddle::Tensor> ReferenceKernels(const paddle::Tensor& unused) {
+  auto count = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
+  count.data<int64_t>()[0] = paddle_mnist::reference_kernels().load();
+  return {count};
+}
+
+PD_BUILD_OP(onednn_reference_kernels)
+    .Inputs({"X"})
+    .Outputs({"Count"})
+    .SetKernelFn(PD_KERNEL(ReferenceKernels))
+    .SetInferShapeFn(PD_INFER_SHAPE(KeptPlansInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(KeptPlansInferDtype));
 
 PD_BUILD_OP(onednn_kept_plans)
     .Inputs({"X"})
