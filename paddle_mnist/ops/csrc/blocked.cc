@@ -21,6 +21,7 @@
 // MiniGoogLeNet's global average pool is a mean over H and W (in Paddle). The primitives of a shape are kept by its first
 // backward pass (PlanCache in onednn_common.h); the buffers a call needs are made for it.
 
+#include <initializer_list>
 #include <memory>
 #include <tuple>
 #include <utility>
@@ -87,18 +88,13 @@ struct ModuleShape {
 ModuleShape module_shape(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
                          float epsilon, int block) {
   const Dims src = logical(x);
-  const int64_t out_h = (src[2] + 2 * padding - w[2]) / stride + 1;
-  const int64_t out_w = (src[3] + 2 * padding - w[3]) / stride + 1;
-  // right and bottom padding that make the output size F.conv2d's (less than `padding` where the stride leaves
-  // input rows over)
-  const int64_t right_h = (out_h - 1) * stride + w[2] - src[2] - padding;
-  const int64_t right_w = (out_w - 1) * stride + w[3] - src[3] - padding;
+  const ConvSide h = conv_side(src[2], w[2], stride, padding), v = conv_side(src[3], w[3], stride, padding);
   return {src,
           {w[0], w[1], w[2], w[3]},
-          {src[0], w[0], out_h, out_w},
+          {src[0], w[0], h.out, v.out},
           {stride, stride},
           {padding, padding},
-          {right_h, right_w},
+          {h.pad_right, v.pad_right},
           x.size() == 5,
           epsilon,
           block};
@@ -207,22 +203,29 @@ std::shared_ptr<const Module> module_for(const paddle::Tensor& x, const paddle::
 
 constexpr const char* kModule = "onednn_conv_bn_relu";
 
-void check_module(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
-                  const paddle::Tensor& gamma, const paddle::Tensor& beta, int block) {
-  check_map(x, kModule, "x");
-  PD_CHECK(valid_block(block), kModule, ": block must be 8 or 16, not ", block);
-  PD_CHECK(x.shape().size() == 4 || x.shape()[4] == block, kModule, ": x is blocked by ", x.shape().back(),
+// A blocked convolution's input, block and weight, and per-channel vectors (its bias, batch norm's scale and
+// shift), as the conv module and its evaluation form take them.
+void check_conv(const char* op, const paddle::Tensor& x, const paddle::Tensor& w, int block,
+                std::initializer_list<const paddle::Tensor*> per_channel_vectors) {
+  check_map(x, op, "x");
+  PD_CHECK(valid_block(block), op, ": block must be 8 or 16, not ", block);
+  PD_CHECK(x.shape().size() == 4 || x.shape()[4] == block, op, ": x is blocked by ", x.shape().back(),
            " channels, the output would be by ", block);
-  check_float(w, kModule, "the weight");
-  const int64_t c = w.shape()[0];
-  PD_CHECK(w.shape().size() == 4 && logical(x.shape())[1] == w.shape()[1], kModule,
+  check_float(w, op, "the weight");
+  PD_CHECK(w.shape().size() == 4 && logical(x.shape())[1] == w.shape()[1], op,
            ": the weight must be OIHW with I the input's channels");
-  PD_CHECK(c % block == 0, kModule, ": the output channels (", c, ") must be a multiple of the block, ", block);
-  for (const paddle::Tensor* t : {&b, &gamma, &beta}) {
-    check_float(*t, kModule, "the bias and batch norm's scale and shift");
-    PD_CHECK(t->shape().size() == 1 && t->shape()[0] == c, kModule, ": the bias and batch norm's scale and shift ",
+  const int64_t c = w.shape()[0];
+  PD_CHECK(c % block == 0, op, ": the output channels (", c, ") must be a multiple of the block, ", block);
+  for (const paddle::Tensor* t : per_channel_vectors) {
+    check_float(*t, op, "the bias and batch norm's scale and shift");
+    PD_CHECK(t->shape().size() == 1 && t->shape()[0] == c, op, ": the bias and batch norm's scale and shift ",
              "must have one value per output channel");
   }
+}
+
+void check_module(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
+                  const paddle::Tensor& gamma, const paddle::Tensor& beta, int block) {
+  check_conv(kModule, x, w, block, {&b, &gamma, &beta});
 }
 
 std::vector<paddle::Tensor> ModuleForward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
@@ -307,18 +310,8 @@ std::vector<paddle::Tensor> ModuleBackwardFn(const paddle::Tensor& x, const padd
 // runs at any batch size and keeps no plan of its own.
 std::vector<paddle::Tensor> InferenceForward(const paddle::Tensor& x, const paddle::Tensor& w,
                                              const paddle::Tensor& b, int stride, int padding, int block) {
-  constexpr const char* kOp = "onednn_conv_relu_blocked";
-  check_map(x, kOp, "x");
-  PD_CHECK(valid_block(block), kOp, ": block must be 8 or 16, not ", block);
-  PD_CHECK(x.shape().size() == 4 || x.shape()[4] == block, kOp, ": x is blocked by ", x.shape().back(),
-           " channels, the output would be by ", block);
-  check_float(w, kOp, "the weight");
-  check_float(b, kOp, "the bias");
-  PD_CHECK(w.shape().size() == 4 && logical(x.shape())[1] == w.shape()[1], kOp,
-           ": the weight must be OIHW with I the input's channels");
+  check_conv("onednn_conv_relu_blocked", x, w, block, {&b});
   const int64_t c = w.shape()[0];
-  PD_CHECK(c % block == 0, kOp, ": the output channels (", c, ") must be a multiple of the block, ", block);
-  PD_CHECK(b.shape().size() == 1 && b.shape()[0] == c, kOp, ": the bias must have one value per output channel");
   const ModuleShape s = module_shape(x.shape(), w.shape(), stride, padding, 0.f, block);
   const memory::desc dst = blocked(s.dst, block);
   const memory::desc src_user = s.blocked_src ? blocked(s.src, block) : paddle_mnist::nchw(s.src);

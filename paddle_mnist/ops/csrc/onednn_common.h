@@ -92,6 +92,17 @@ class Operand {
   bool reordered_ = false;
 };
 
+// The output size and the right and bottom padding of a convolution over one side of `in` pixels, so that oneDNN's
+// output is exactly F.conv2d's: the far padding may be less than `padding` where the stride leaves input over.
+struct ConvSide {
+  int64_t out, pad_right;
+};
+
+inline ConvSide conv_side(int64_t in, int64_t kernel, int stride, int padding) {
+  const int64_t out = (in + 2 * padding - kernel) / stride + 1;
+  return {out, (out - 1) * stride + kernel - in - padding};
+}
+
 // How many convolution primitives this process made on oneDNN's reference loops, which go element by element (a
 // processor without the instructions of oneDNN's JIT kernels for a layout): what onednn_reference_kernels reports,
 // and what the start-up check refuses (onednn.py).

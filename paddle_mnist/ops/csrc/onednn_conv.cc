@@ -39,14 +39,9 @@ memory::desc bias_desc(const Geometry& g) {
 
 Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
                   bool bias) {
-  const int64_t out_h = (x[2] + 2 * padding - w[2]) / stride + 1;
-  const int64_t out_w = (x[3] + 2 * padding - w[3]) / stride + 1;
-  // the right and bottom padding that make oneDNN's output size exactly F.conv2d's (it may be less than
-  // `padding` where the stride leaves input rows over)
-  const int64_t right_h = (out_h - 1) * stride + w[2] - x[2] - padding;
-  const int64_t right_w = (out_w - 1) * stride + w[3] - x[3] - padding;
-  return {{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], out_h, out_w},
-          {stride, stride},        {padding, padding},        {right_h, right_w},
+  const ConvSide h = conv_side(x[2], w[2], stride, padding), v = conv_side(x[3], w[3], stride, padding);
+  return {{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], h.out, v.out},
+          {stride, stride},        {padding, padding},        {h.pad_right, v.pad_right},
           bias};
 }
 
