@@ -546,16 +546,21 @@ def concat_blocked(a: paddle.Tensor, b: paddle.Tensor, ops=None) -> paddle.Tenso
     return (ops or _ops).onednn_concat_blocked(a, b)
 
 
+def _count(counter) -> int:
+    """The value of one of the operators' counters (its input is not read; a custom operator takes one)."""
+    return int(counter(paddle.zeros([1])).numpy()[0])
+
+
 def kept_plans(ops=None) -> int:
     """How many plans (primitives made for one shape) the operators' caches keep, all together. Only backward
     passes keep one, and each cache keeps at most PLAN_CACHE_CAPACITY (csrc/onednn_common.h's PlanCache)."""
-    return int((ops or _ops).onednn_kept_plans(paddle.zeros([1])).numpy()[0])
+    return _count((ops or _ops).onednn_kept_plans)
 
 
 def reference_kernels(ops=None) -> int:
     """How many convolution primitives this process made on oneDNN's reference loops (note_kernel in
     csrc/onednn_common.h): check() refuses a build that makes any."""
-    return int((ops or _ops).onednn_reference_kernels(paddle.zeros([1])).numpy()[0])
+    return _count((ops or _ops).onednn_reference_kernels)
 
 
 def unblock(x: paddle.Tensor) -> paddle.Tensor:

@@ -277,35 +277,36 @@ PD_BUILD_GRAD_OP(onednn_conv2d_bias)
     .Attrs({"stride: int", "padding: int", "input_grad: bool"})
     .SetKernelFn(PD_KERNEL(ConvBiasBackward));
 
-// How many plans the operators' caches keep, all together (PlanCache): for the tests that hold them bounded. The
-// input is not read; a custom operator takes one.
-std::vector<paddle::Tensor> KeptPlans(const paddle::Tensor& unused) {
+// A counter as a one-element int64 tensor: the counting operators below take an input only because a custom
+// operator must; it is not read.
+std::vector<paddle::Tensor> as_tensor(int64_t value) {
   auto count = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  count.data<int64_t>()[0] = paddle_mnist::kept_plans().load();
+  count.data<int64_t>()[0] = value;
   return {count};
 }
 
-std::vector<std::vector<int64_t>> KeptPlansInferShape(const std::vector<int64_t>& unused) { return {{1}}; }
+std::vector<std::vector<int64_t>> CountInferShape(const std::vector<int64_t>& unused) { return {{1}}; }
 
-std::vector<paddle::DataType> KeptPlansInferDtype(const paddle::DataType& unused) { return {paddle::DataType::INT64}; }
+std::vector<paddle::DataType> CountInferDtype(const paddle::DataType& unused) { return {paddle::DataType::INT64}; }
+
+// How many plans the operators' caches keep, all together (PlanCache): for the tests that hold them bounded.
+std::vector<paddle::Tensor> KeptPlans(const paddle::Tensor& unused) { return as_tensor(paddle_mnist::kept_plans()); }
 
 // How many convolution primitives were made on oneDNN's reference loops (note_kernel in onednn_common.h).
 std::vector<paddle::Tensor> ReferenceKernels(const paddle::Tensor& unused) {
-  auto count = paddle::empty({1}, paddle::DataType::INT64, paddle::CPUPlace());
-  count.data<int64_t>()[0] = paddle_mnist::reference_kernels().load();
-  return {count};
+  return as_tensor(paddle_mnist::reference_kernels());
 }
-
-PD_BUILD_OP(onednn_reference_kernels)
-    .Inputs({"X"})
-    .Outputs({"Count"})
-    .SetKernelFn(PD_KERNEL(ReferenceKernels))
-    .SetInferShapeFn(PD_INFER_SHAPE(KeptPlansInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(KeptPlansInferDtype));
 
 PD_BUILD_OP(onednn_kept_plans)
     .Inputs({"X"})
     .Outputs({"Count"})
     .SetKernelFn(PD_KERNEL(KeptPlans))
-    .SetInferShapeFn(PD_INFER_SHAPE(KeptPlansInferShape))
-    .SetInferDtypeFn(PD_INFER_DTYPE(KeptPlansInferDtype));
+    .SetInferShapeFn(PD_INFER_SHAPE(CountInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(CountInferDtype));
+
+PD_BUILD_OP(onednn_reference_kernels)
+    .Inputs({"X"})
+    .Outputs({"Count"})
+    .SetKernelFn(PD_KERNEL(ReferenceKernels))
+    .SetInferShapeFn(PD_INFER_SHAPE(CountInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(CountInferDtype));
