@@ -8,17 +8,18 @@ import logging
 import os
 import signal
 import sys
+import traceback
 
 from paddle_mnist.config import ConfigError, parse_args, resolve_for_world
 from paddle_mnist.datasets import data
-from paddle_mnist.files import checkpoint
+from paddle_mnist.files import checkpoint, events
 from paddle_mnist.files.log import get_logger
 from paddle_mnist.files.outputs import WriteFailed
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu, distributed, launch, waiting
 from paddle_mnist.runtime.launch import LaunchError
 from paddle_mnist.runtime.lock import RunLock
-from paddle_mnist.runtime.preempt import Preempted, StopSignals, exit_code
+from paddle_mnist.runtime.preempt import Preempted, StopSignals, exit_code, signal_name
 from paddle_mnist.training import chance, engine
 from paddle_mnist.training.trainer import ExportFailed, train_and_evaluate
 
@@ -57,11 +58,9 @@ def _run_command(argv: list[str] | None) -> int:
         convolutions = onednn.prepare(cfg.conv_backend)
         env = distributed.setup()
     except (ConfigError, LaunchError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _refused(str(e))
     except onednn.Unavailable as e:
-        print(f"error: --conv-backend onednn: {e}; or pass --conv-backend auto", file=sys.stderr, flush=True)
-        return 2
+        return _refused(f"--conv-backend onednn: {e}; or pass --conv-backend auto")
     log = get_logger(env)
     stop.log = log
     lock = RunLock(cfg.output_dir)
@@ -70,23 +69,45 @@ def _run_command(argv: list[str] | None) -> int:
         train_and_evaluate(resolve_for_world(cfg, env.world_size), env, log, stop, lock, convolutions)
     except Preempted as e:
         log.warning(str(e))
+        cause = events.SIGNAL_ECHO if e.took is not None else events.SIGNAL
+        events.stop("signalled", str(e), cause, signal=signal_name(e.signum), took=e.took)
         return exit_code(e.signum)
     except (WriteFailed, waiting.PeerLost) as e:
         log.error(f"error: {e}")
-        _point_to_summary(log)
-        return 1
+        return _failed(log, 1, str(e))
     except (ConfigError, data.DataError, engine.Diverged, chance.LearnedNothing, checkpoint.CheckpointError) as e:
         log.error(f"error: {e}")
-        _point_to_summary(log)
-        return 2
+        return _failed(log, 2, str(e), CAUSES.get(type(e)))
     except ExportFailed as e:
         log.error(f"error: {e}", exc_info=e.__cause__)
-        _point_to_summary(log)
-        return 1
-    except Exception:
+        return _failed(log, 1, str(e), trace=e.__cause__)
+    except Exception as e:
         log.exception("error: the run failed")
-        _point_to_summary(log)
-        return 1
+        return _failed(log, 1, "the run failed", trace=e)
     finally:
         lock.release()
+    events.stop("finished", "finished")
     return 0
+
+
+# the trainer's own failures that python -m paddle_mnist.logs names (files/events.py)
+CAUSES = {engine.Diverged: events.DIVERGED, chance.LearnedNothing: events.LEARNED_NOTHING}
+
+
+def _refused(message: str) -> int:
+    """Before the log exists: the one line on stderr."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    events.stop("error", message)
+    return 2
+
+
+def _failed(
+    log: logging.Logger, code: int, message: str, cause: str | None = None, trace: BaseException | None = None
+) -> int:
+    """After the error line: record the stop (a crash, with its traceback), point to the summary; the exit status."""
+    if trace is None:
+        events.stop("error", message, cause)
+    else:
+        events.stop("crashed", "".join(traceback.format_exception(type(trace), trace, trace.__traceback__)).strip())
+    _point_to_summary(log)
+    return code

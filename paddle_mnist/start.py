@@ -14,6 +14,8 @@ import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 
+from paddle_mnist.files import events
+
 # Python warnings Paddle gives every run, which say nothing about it
 PADDLE_NOTES = (
     "No ccache found",  # about building C++ extensions, which training never does
@@ -41,10 +43,16 @@ def announce(environ: Mapping[str, str], argv: list[str]) -> str | None:
     return f"{time.strftime('%H:%M:%S')} [{tag}] started: {shlex.join([sys.executable, *argv])}"
 
 
+def begin_events(environ: Mapping[str, str], line: str) -> None:
+    """The worker's event log (files/events.py), its start paired with the started line by the line's clock."""
+    events.begin(environ["PADDLE_TRAINER_ID"], environ.get("PADDLE_TRAINERS_NUM", "?"), line.split(" ", 1)[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     quiet_paddle()
     if line := announce(os.environ, sys.argv if argv is None else [sys.argv[0], *argv]):
         print(line, flush=True)
+        begin_events(os.environ, line)
     from paddle_mnist.cli import (
         main as run,  # here, not above: importing cli loads Paddle, which must find the settings made
     )

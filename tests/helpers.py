@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -200,6 +201,49 @@ def param_digest(log_text: str) -> str:
     found = re.findall(r"parameters sha256 ([0-9a-f]{64})", log_text)
     assert found, "no parameter digest in the log"
     return found[-1]
+
+
+# a line the trainer writes for people: its clock and rank tag, then the words (the run's "started:" line excepted,
+# which marks where each run begins in a reused --log_dir), or an error line written before its log existed
+TRAINER_LINE = re.compile(r"^(\d\d:\d\d:\d\d \[rank \d+/\S+\] (?!started: )|error: )(.+)$")
+
+
+def check_read_by_facts(log_dirs: Path | list[Path], summary: str) -> None:
+    """python -m paddle_mnist.logs reads the trainer's facts from each rank's events: its summary of a real job's
+    logs (summary, of these --log_dir) stays the same, word for word, with every line the trainer wrote for people
+    reworded; and with the events taken away (an older trainer's logs), the English lines name the same ranks,
+    statuses and cause."""
+    from paddle_mnist.files.logs import summarise
+
+    dirs = [Path(d) for d in (log_dirs if isinstance(log_dirs, list) else [log_dirs])]
+    assert all(list(d.glob("eventlog.*")) for d in dirs), f"no eventlog.N in one of {dirs}"
+    reworded = [d.with_name(d.name + "-reworded") for d in dirs]
+    lines_only = [d.with_name(d.name + "-lines") for d in dirs]
+    changed = 0
+    for d, a, b in zip(dirs, reworded, lines_only):
+        shutil.copytree(d, a)  # copy2: the files' times, by which the reader orders the ranks' ends, are kept
+        shutil.copytree(d, b)
+        for events in b.glob("eventlog.*"):
+            events.unlink()
+        for log in a.glob("workerlog.*"):
+            text, times = log.read_text().splitlines(keepends=True), os.stat(log)
+            new = [TRAINER_LINE.sub(r"\1said otherwise", line) for line in text]
+            changed += sum(x != y for x, y in zip(text, new))
+            log.write_text("".join(new))
+            os.utime(log, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert changed, "no line of the trainer's was reworded: the check would prove nothing"
+
+    def read(copies: list[Path]) -> str:
+        out = summarise(copies)
+        for d, c in zip(dirs, copies):
+            out = out.replace(str(c), str(d))
+        return out
+
+    assert read(reworded) == summary
+    keep = re.compile(r"^(rank [\d?]+ |first to stop|cause: )")
+    assert [x for x in read(lines_only).splitlines() if keep.match(x)] == [
+        x for x in summary.splitlines() if keep.match(x)
+    ]
 
 
 def explain(proc: subprocess.CompletedProcess, log_dir: Path | None = None) -> str:

@@ -10,7 +10,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-from helpers import explain, read_metrics, read_results, run_launch, run_single, worker_log
+from helpers import check_read_by_facts, explain, read_metrics, read_results, run_launch, run_single, worker_log
 from PIL import Image
 
 from paddle_mnist.datasets import data
@@ -177,6 +177,7 @@ def test_random_labels_stop_two_workers_at_chance_and_keep_what_was_written(tmp_
     summary = summarise(tmp_path / "log")
     assert "workerlog.0  learned nothing" in summary and "cause: the model learned nothing" in summary, summary
     assert "fix: start afresh (--overwrite) with a lower --lr or a warmup" in summary
+    check_read_by_facts(tmp_path / "log", summary)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ import pytest
 from helpers import (
     REAL_JOB,
     TRAIN_PY,
+    check_read_by_facts,
     explain,
     launch_env,
     make_dataset,
@@ -226,6 +227,7 @@ def test_a_machine_whose_launcher_dies_is_named_as_the_cause_on_both(hosts, data
     summary = summarise([tmp_path / "log0", tmp_path / "log1"])
     assert "first to stop: rank 1" in summary, summary
     assert "cause: this machine's launcher went away" in summary and "went away" in summary.split("evidence:")[1]
+    check_read_by_facts([tmp_path / "log0", tmp_path / "log1"], summary)
 
 
 def test_restart_loops_on_both_machines_finish_the_job_after_a_kill(hosts, uninterrupted, data_dir, tmp_path):

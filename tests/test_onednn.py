@@ -82,6 +82,28 @@ def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
 
 
+@pytest.mark.parametrize("through", ["conv2d", "max_pool2x2"])
+def test_views_reach_the_operators_as_whole_tensors(op, through):
+    """The operators read their inputs and output gradients as dense NCHW memory, and check no strides: Paddle
+    hands a custom operator a contiguous copy of a view (3.x makes transpose a view). A transposed input, and an
+    output whose gradient comes back through a transpose, give Paddle's numbers."""
+    rng = np.random.default_rng(5)
+    base, w = rng.normal(size=(4, 8, 12, 12)), rng.normal(size=(8, 8, 3, 3)) / np.sqrt(72)
+    weight = paddle.to_tensor(w.astype("float32"))
+    ours = {"conv2d": lambda x: op.onednn_conv2d(x, weight, 1, 1, True), "max_pool2x2": lambda x: op.max_pool2x2(x)[0]}
+    paddles = {"conv2d": lambda x: F.conv2d(x, weight, padding=1), "max_pool2x2": lambda x: F.max_pool2d(x, 2, 2)}
+
+    def run(layer):
+        x = paddle.to_tensor(base.astype("float32"), stop_gradient=False)
+        seen = x.transpose([0, 1, 3, 2])  # a view where Paddle has strided tensors
+        y = layer(seen).transpose([0, 1, 3, 2])
+        (y * paddle.cos(y)).sum().backward()
+        return y.numpy(), x.grad.numpy()
+
+    for name, a, b in zip(("output", "input gradient"), run(ours[through]), run(paddles[through])):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
+
+
 OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
 OPS += ("onednn_conv_bn_relu", "onednn_conv_relu_blocked", "onednn_max_pool_blocked", "onednn_concat_blocked")
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import (
     TRAIN_PY,
+    check_read_by_facts,
     explain,
     launch_env,
     make_dataset,
@@ -95,6 +96,7 @@ def test_sigterm_mid_epoch_and_during_evaluation_then_resume_equals_uninterrupte
     summary = summarise(tmp_path / "l1")
     assert "rank 0   signalled" in summary and "cause: stopped by SIGTERM or SIGINT" in summary, summary
     assert "fix: nothing is broken: continue with --resume auto" in summary
+    check_read_by_facts(tmp_path / "l1", summary)
 
     # resumed, and rank 1 alone is stopped while the workers evaluate epoch 1 (1000 test images, 2 at a time)
     job = launch(

@@ -18,6 +18,7 @@ import pytest
 from helpers import (
     PLAIN_MNIST,
     TRAIN_PY,
+    check_read_by_facts,
     explain,
     launch_env,
     make_dataset,
@@ -159,6 +160,7 @@ def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
     assert "rank 0   error" in summary and "the training loss became NaN" in summary, summary
     assert "workerlog.0  diverged" in summary and "cause: the loss diverged" in summary, summary
     assert "fix: lower --lr" in summary
+    check_read_by_facts(tmp_path / "log", summary)
     saved = sorted((out / "checkpoints").glob("*.pdckpt"))
     assert saved, "no checkpoint was written before the loss diverged: nothing here shows a good one was kept"
     for path in saved:
@@ -216,6 +218,7 @@ def test_stopped_worker_ends_the_job_within_the_timeout(tmp_path):
     assert "first to stop: rank 1" in summary and "workerlog.0  peer went quiet" in summary, summary
     assert "cause: a worker stopped making progress, so the watchdog ended the job" in summary
     assert "rank 1 (last seen at step" in summary.split("evidence:")[1] and "raise --collective-timeout" in summary
+    check_read_by_facts(tmp_path / "l", summary)
 
 
 CPU_GROUPS = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller

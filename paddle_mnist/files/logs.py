@@ -4,7 +4,10 @@ python -m paddle_mnist.logs log [launcher.out]
 python -m paddle_mnist.logs log-0 log-1 [launcher-0.out launcher-1.out]    # one --log_dir per machine
 
 A pure reader, like plots.py: it reads the workerlog.N files (and, if given, the launcher's own output, where
-Paddle prints exit codes and ABORT!!! lines) and imports nothing from training. Every machine numbers its files
+Paddle prints exit codes and ABORT!!! lines) and imports nothing from training. The trainer's own facts (a rank's
+progress, its stop and the cause) come from each worker's events (eventlog.N, files/events.py), so that rewording a
+line for people changes no diagnosis; logs without them (an older trainer's) are read by their English lines.
+Paddle's and the system's failures are read by their words either way. Every machine numbers its files
 from workerlog.0, so ranks are told apart by the global rank in their lines' tags, never by the file's number.
 
 Long because each failure it tells apart pairs a pattern in the workers' lines with its cause and fix.
@@ -17,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from paddle_mnist.files import events
 
 PROGRESS = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+) step (\d+)/(\d+)")
 EPOCH_DONE = re.compile(r"\[rank (\d+)/(\d+)\] epoch (\d+)/(\d+) done")
@@ -47,14 +52,16 @@ def _any(*patterns: str) -> re.Pattern[str]:
 
 @dataclass(frozen=True)
 class Failure:
-    """One failure the reader knows: the lines that show it, what it means in plain words, what to do."""
+    """One failure the reader knows: the facts or lines that show it, what it means in plain words, what to do."""
 
     name: str  # a few words, for the table
     what: str
-    pattern: re.Pattern[str]  # searched line by line in a worker's log
+    pattern: re.Pattern[str] | None  # Paddle's or the system's words, searched line by line in every worker's log
     fix: str
     echo: bool = False  # usually the echo of another rank's failure (a peer vanished): look at the others first
     detail: re.Pattern[str] | None = None  # more lines worth showing once the pattern matched
+    told: str | None = None  # the trainer's own failure: the cause its stop event names (files/events.py)
+    prose: re.Pattern[str] | None = None  # and its English line, read only from a log without events
 
 
 # In order: the first that matches a log names its failure. The texts are Paddle's own (3.3.1 and 2.6 where they
@@ -62,27 +69,33 @@ class Failure:
 DIVERGED = Failure(
     "diverged",
     "the loss diverged: it became NaN or infinite, so training stopped before saving bad weights",
-    _any(r"the (training loss|weights) became NaN or infinite"),
+    None,
     "lower --lr (or warm up with --warmup-epochs), then rerun with --resume auto: it continues from the last "
     "checkpoint, which was saved before the loss diverged",
+    told=events.DIVERGED,
+    prose=_any(r"the (training loss|weights) became NaN or infinite"),
 )
 LEARNED_NOTHING = Failure(
     "learned nothing",
     "the model learned nothing: its training loss stayed at chance level, or its test accuracy was no better than "
     "chance; the weights, results and checkpoints were written before the run stopped",
-    _any(r": the model learned nothing; "),
+    None,
     "start afresh (--overwrite) with a lower --lr or a warmup (--warmup-epochs 1); if the training loss fell while "
     "the test accuracy stayed at chance, the labels do not match the images: check that each class folder holds "
     "only images of its class",
+    told=events.LEARNED_NOTHING,
+    prose=_any(r": the model learned nothing; "),
 )
 WATCHDOG = Failure(
     "peer went quiet",
     "a worker stopped making progress, so the watchdog ended the job instead of letting it hang",
-    _any(r"no progress for \d+ s \(--collective-timeout\)"),
+    None,
     "look at the rank the verdict names: stopped (SIGSTOP, a debugger), hung on a disk or a lock, or cut off from "
     "the network; if it was only slow (a long evaluation, a busy machine), raise --collective-timeout; then rerun "
     "with --resume auto",
     echo=True,
+    told=events.WATCHDOG,
+    prose=_any(r"no progress for \d+ s \(--collective-timeout\)"),
 )
 PORT = Failure(
     "port in use",
@@ -151,26 +164,32 @@ CONNECTION = Failure(
 SIGNALLED = Failure(
     "signal",
     "stopped by SIGTERM or SIGINT: a user, the scheduler (preemption, a time limit) or the launcher ended the job",
-    # the trainer's stop line; Paddle's own handler ("FatalError: `Termination signal` is detected by the operating
-    # system") when the signal came before the trainer took SIGTERM over, during start-up
-    _any(r"\] stopped (at once )?by (a second )?SIG(TERM|INT)", r"`(Termination signal|Interrupt)` is detected"),
+    # Paddle's own handler ("FatalError: `Termination signal` is detected by the operating system") when the signal
+    # came before the trainer took SIGTERM over, during start-up; else the trainer's stop
+    _any(r"`(Termination signal|Interrupt)` is detected"),
     "nothing is broken: continue with --resume auto (the stop line gives the whole command); a stop during start-up "
     "had nothing to save, so just run the command again",
+    told=events.SIGNAL,
+    prose=_any(r"\] stopped (at once )?by (a second )?SIG(TERM|INT)"),
 )
 LAUNCHER_GONE = Failure(
     "launcher gone",
     "this machine's launcher went away (killed or crashed), so its workers stopped, each with a checkpoint",
-    _any(r"its launcher (\(pid \d+\) )?went away"),
+    None,
     "find out what ended the launcher (a kill by a user or the scheduler, the out-of-memory killer: dmesg -T), then "
     "start every machine's command again with --resume auto",
+    told=events.LAUNCHER_GONE,
+    prose=_any(r"its launcher (\(pid \d+\) )?went away"),
 )
 # a rank that stopped with the job where another took the signal: its stop line says so (session.meet)
 SIGNAL_ECHO = Failure(
     "another's signal",
     "stopped with the job because another rank took a stop signal",
-    _any(r"\] stopped by SIG\w+ at step \d+ \(.*; rank \d+ took the signal"),
+    None,
     "read the log of the rank this line names",
     echo=True,
+    told=events.SIGNAL_ECHO,
+    prose=_any(r"\] stopped by SIG\w+ at step \d+ \(.*; rank \d+ took the signal"),
 )
 # The failures in the order they are tried, the first that matches naming the cause. SHARED_MEMORY (a bus error)
 # comes before WATCHDOG: a worker whose signal handler hung after the bus error (see cli.py) can be ended later by
@@ -209,12 +228,20 @@ class RankReport:
     world: int | None = None  # the job's world size from the lines' tags
     source: str = ""  # how the summary names the file: workerlog.N, or DIR/workerlog.N when several DIRs are read
     fallback_rank: int | None = None  # the rank assumed when no line carries one (see read_rank)
-    stopped_at: float | None = None  # when its stop line (a signal) was written, to the second, if it has one
+    stopped_at: float | None = None  # when its stop (a signal) was written, if it has one
+    quiet: tuple[int, ...] | None = None  # the ranks its watchdog's verdict found silent, from its events
+    checkpoint: tuple[int, str] | None = None  # the step and path of the last checkpoint it wrote, from its events
+    told: bool = False  # whether its events were read (else its English lines were)
 
 
-def known_failure(lines: list[str]) -> tuple[Failure | None, tuple[str, ...]]:
+def known_failure(lines: list[str], told: dict[str, str] | None = None) -> tuple[Failure | None, tuple[str, ...]]:
+    """The first failure of KNOWN that a log shows, and its evidence. told: the trainer's own causes its events
+    name, each with its message; None for a log without events, whose English lines are read for them instead."""
     for kind in KNOWN:
-        found = [line.strip() for line in lines if kind.pattern.search(line)]
+        if told is not None and kind.told in told:
+            return kind, (told[kind.told],)
+        said = [p for p in (kind.pattern, None if told is not None else kind.prose) if p is not None]
+        found = [line.strip() for line in lines if any(p.search(line) for p in said)]
         if found:
             more = [line.strip() for line in lines if kind.detail and kind.detail.search(line)]
             return kind, tuple(dict.fromkeys(more + found[:3]))
@@ -242,10 +269,80 @@ def clock_time(line: str, mtime: float) -> float | None:
 
 
 def read_rank(path: Path, source: str | None = None) -> RankReport:
-    """One worker log's last run. source names the file when several machines' directories are read: every machine
-    numbers its files from 0, so the file's number is then no guess at its rank."""
+    """One worker log's last run: its facts from its events (eventlog.N) where the run wrote them, else from its
+    English lines. source names the file when several machines' directories are read: every machine numbers its
+    files from 0, so the file's number is then no guess at its rank."""
     text, earlier = last_run(path.read_text(errors="replace").replace("\0", ""))
     lines = text.splitlines()
+    mtime = path.stat().st_mtime
+    facts = _events_of(path, lines)
+    report = _from_events(facts, text, lines) if facts is not None else _from_lines(text, lines, mtime)
+    fatal = [line.strip() for line in lines if FATAL.search(line)]
+    if fatal and report["status"] == "stopped":
+        report.update(status="crashed", message="\n".join(fatal))  # Paddle's C++ aborts and signals: no traceback
+    if report["status"] == "finished":
+        report.update(failure=None, evidence=())
+    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
+    return RankReport(
+        path,
+        mtime=mtime,
+        last_line=last,
+        earlier_runs=earlier,
+        source=source or path.name,
+        fallback_rank=_number(path) if source is None else None,
+        told=facts is not None,
+        **report,
+    )
+
+
+def _events_of(path: Path, lines: list[str]) -> list[dict] | None:
+    """The events of the log's last run, if its eventlog.N holds that run."""
+    eventlog = events.path_beside(path)
+    if not eventlog.is_file():
+        return None
+    started = next((line for line in lines if RUN_START.search(line)), None)
+    return events.last_run(events.read(eventlog), started.split(" ", 1)[0] if started else None)
+
+
+def _from_events(facts: list[dict], text: str, lines: list[str]) -> dict:
+    start, stop = facts[0], next((e for e in reversed(facts) if e["event"] == "stop"), None)
+    message = stop["message"] if stop and stop["status"] != "finished" else ""
+    where, memory, checkpoint = "before the first step", None, None
+    for e in facts:
+        if e["event"] == "progress":
+            where = f"epoch {e['epoch']}, step {e['step']} of {e['steps']}"
+        elif e["event"] == "epoch":
+            cut = e.get("max_steps")
+            of = f"epoch {e['epoch']} of {e['epochs']}"
+            where = f"--max-steps {cut} in {of}" if cut else f"end of {of}"
+        elif e["event"] == "checkpoint":
+            checkpoint = (e["step"], e["path"])
+        memory = e.get("memory_mb", memory)
+    told = {e["event"]: e.get("message", "") for e in facts if e["event"] == events.LAUNCHER_GONE}
+    if stop is not None and stop.get("cause"):
+        told[stop["cause"]] = stop["message"]
+    failure, evidence = known_failure(lines, told)
+    status = stop["status"] if stop else "stopped"
+    if stop is None and PY_TRACEBACK.search(text):  # an exception the trainer did not catch
+        status, message = "crashed", text[list(PY_TRACEBACK.finditer(text))[-1].start() :].strip()
+    return {
+        "rank": start["rank"],
+        "world": start.get("world"),
+        "status": status,
+        "where": where,
+        "message": message,
+        "failure": failure,
+        "evidence": evidence,
+        "memory_mb": memory,
+        "stopped_at": stop["t"] if stop and status == "signalled" else None,
+        "quiet": tuple(stop["quiet"]) if stop and "quiet" in stop else None,
+        "checkpoint": checkpoint,
+    }
+
+
+def _from_lines(text: str, lines: list[str], mtime: float) -> dict:
+    """The same facts from the trainer's English lines: logs from before events, or from a process that could not
+    write them."""
     tags = [m for m in map(TAG.search, lines) if m]
     where = "before the first step"
     for line in lines:
@@ -267,30 +364,18 @@ def read_rank(path: Path, source: str | None = None) -> RankReport:
     elif any("] finished: " in line for line in lines):
         status = "finished"
     failure, evidence = known_failure(lines) if status != "finished" else (None, ())
-    fatal = [line.strip() for line in lines if FATAL.search(line)]
-    if fatal and status == "stopped":
-        status, message = "crashed", "\n".join(fatal)  # Paddle's C++ aborts and signals: no Python traceback
     memory = [int(m.group(1)) for m in map(MEMORY.search, lines) if m]
-    last = next((line.strip() for line in reversed(lines) if line.strip()), "")
-    rank, world = (int(tags[-1].group(1)), int(tags[-1].group(2))) if tags else (None, None)
-    mtime = path.stat().st_mtime
-    return RankReport(
-        path,
-        rank,
-        status,
-        where,
-        message,
-        mtime,
-        failure,
-        evidence,
-        memory[-1] if memory else None,
-        last,
-        earlier,
-        world,
-        source or path.name,
-        _number(path) if source is None else None,
-        clock_time(signalled[-1], mtime) if signalled else None,
-    )
+    return {
+        "rank": int(tags[-1].group(1)) if tags else None,
+        "world": int(tags[-1].group(2)) if tags else None,
+        "status": status,
+        "where": where,
+        "message": message,
+        "failure": failure,
+        "evidence": evidence,
+        "memory_mb": memory[-1] if memory else None,
+        "stopped_at": clock_time(signalled[-1], mtime) if signalled else None,
+    }
 
 
 def _number(workerlog: Path) -> int:
@@ -312,9 +397,11 @@ def first_failure(reports: list[RankReport], launcher: list[str]) -> tuple[RankR
     candidates = own or unfinished
     candidates = [r for r in candidates if _rank_of(r) in named] or candidates
     if not own:
-        echo_end = min((r.mtime for r in candidates if r.failure and r.failure.echo), default=None)
-        if echo_end is not None:  # the stop line's second (floored: if after the echo's end, surely after), or
-            # for Paddle's own handler, which ends the process as it writes, the log's last write
+        # (a rank that stopped with another's signal echoes that signal, not an end the launcher answered)
+        ends = [r.mtime for r in candidates if r.failure and r.failure.echo and r.failure is not SIGNAL_ECHO]
+        echo_end = min(ends, default=None)
+        if echo_end is not None:  # the stop's time (from a stop line, its second, floored: if after the echo's end,
+            # surely after), or for Paddle's own handler, which ends the process as it writes, the log's last write
             answers = [r for r in candidates if r.failure is SIGNALLED and _stop_time(r) > echo_end]
             candidates = [r for r in candidates if r not in answers] or candidates
         candidates = [r for r in candidates if not (r.failure and r.failure.echo)] or candidates
@@ -373,9 +460,11 @@ def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> 
             + (r"|rank 0, which hosts the job's key-value store" if n == 0 else "")
         )
         for r in reports:
-            for line in r.evidence if r.failure is WATCHDOG else ():
-                if quiet.search(line):
-                    return WATCHDOG, [f"{r.source}: {line}"]
+            if r.failure is not WATCHDOG:
+                continue
+            named = n in r.quiet if r.quiet is not None else any(quiet.search(line) for line in r.evidence)
+            if named:
+                return WATCHDOG, [f"{r.source}: {line}" for line in r.evidence]
     if first.status == "stopped":
         said = [f"launcher: {_short(line)}" for line in launcher if KILLED.pattern.search(line) and _about(line, first)]
         return KILLED, [f"{first.source} ends with: {first.last_line}", *said[-2:]]
@@ -483,6 +572,8 @@ def summarise(log_dirs: Path | list[Path], launcher_output: list[Path] | None = 
             memory = f"; it last reported {first.memory_mb} MiB of memory"
         out += ["", f"cause: {kind.what}{memory}", "evidence:", *(f"  {line}" for line in evidence)]
         out.append(f"fix: {kind.fix}")
+    if saved := max((r.checkpoint for r in reports if r.checkpoint), default=None):
+        out.append(f"last checkpoint written: {saved[1]} (step {saved[0]})")
     return "\n".join(out)
 
 

@@ -17,7 +17,7 @@ import paddle
 from paddle_mnist.config import CONFIG_FILE, Config
 from paddle_mnist.datasets import data
 from paddle_mnist.deploy import export
-from paddle_mnist.files import atomic, checkpoint, dashboard, plots
+from paddle_mnist.files import atomic, checkpoint, dashboard, events, plots
 from paddle_mnist.runtime.distributed import DistEnv
 
 METRICS = plots.METRICS_FILE
@@ -192,7 +192,8 @@ class RunFiles:
         if self.dashboard:  # every scalar up to the checkpoint's step is on disk before the checkpoint is
             self.dashboard.flush()
         with self._writing(self.store.path(state["step"])):
-            self.store.save(state)
+            path = self.store.save(state)
+            events.emit("checkpoint", step=state["step"], path=os.path.abspath(path))
 
     def save_weights(self, model: paddle.nn.Layer) -> None:
         if self.enabled and not self.failure:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from paddle_mnist.files import events
 from paddle_mnist.runtime.orphan import Launcher
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -35,9 +36,10 @@ def signal_name(signum: int) -> str:
 class Preempted(Exception):
     """Every rank agreed to stop after a signal; the message is the one line each worker logs."""
 
-    def __init__(self, signum: int, message: str):
+    def __init__(self, signum: int, message: str, took: int | None = None):
         super().__init__(message)
         self.signum = signum
+        self.took = took  # the rank that took the signal, where another did: this rank stops with it
 
 
 def _ignore(signum, frame) -> None:
@@ -98,7 +100,9 @@ class StopSignals:
         agree to stop, since a peer's SIGTERM from the same death can stop this worker before its own is read."""
         if self.launcher is not None and not self._explained and self.launcher.gone():
             self._explained = True
-            self._say(self.launcher.describe())
+            message = self.launcher.describe()
+            events.emit(events.LAUNCHER_GONE, message=message)
+            self._say(message)
 
     def _say(self, message: str) -> None:
         """One warning line in this worker's log (on stderr before the log exists), written out at once."""
@@ -116,6 +120,7 @@ class StopSignals:
             f"{resume_command()}"
         )
         self._say(message)
+        events.stop("signalled", message, events.SIGNAL, signal=signal_name(signum))
         for release in self.on_abort:
             try:
                 release()

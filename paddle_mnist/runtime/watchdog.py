@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+from paddle_mnist.files import events
 from paddle_mnist.runtime.distributed import DistEnv, job_store
 
 PREFIX = "paddle_mnist/watchdog"
@@ -134,13 +135,15 @@ class Watchdog:
             if silent > self.timeout:
                 found: list[str] = []
                 busy: list[int] = []
-                asking = threading.Thread(target=self._who_is_quiet, args=(found, busy), daemon=True)
+                quiet: list[int] = []
+                asking = threading.Thread(target=self._who_is_quiet, args=(found, busy, quiet), daemon=True)
                 asking.start()
                 asking.join((3 + ASK_INTERVALS) * self.interval)
                 if busy and time.monotonic() - self._last < patience:
                     self._wait_for(busy)
                     continue
                 if busy:
+                    quiet = []  # the verdict is the busy ranks
                     ranks = ", ".join(f"rank {r}" for r in busy)
                     limit = f"gloo ends one at {GLOO_TIMEOUT_S:.0f} s" if self.env.backend == "gloo" else "too long"
                     cause = (
@@ -148,9 +151,12 @@ class Watchdog:
                         f"({limit}): the ranks' shares of the work take too different times (a busy machine); "
                         "lower --eval-batch-size, or give each worker its own cores"
                     )
+                elif found:
+                    cause = found[0]
                 else:
-                    cause = found[0] if found else "rank 0, which hosts the job's key-value store, stopped answering"
-                self._exit(f"no progress for {self.timeout:.0f} s (--collective-timeout) at step {self.step}: {cause}")
+                    cause, quiet = "rank 0, which hosts the job's key-value store, stopped answering", [0]
+                why = f"no progress for {self.timeout:.0f} s (--collective-timeout) at step {self.step}: {cause}"
+                self._exit(why, quiet)
 
     def _wait_for(self, busy: list[int]) -> None:
         """Log once, for each set of busy ranks, that this rank waits for them."""
@@ -159,9 +165,9 @@ class Watchdog:
             self._waiting_for = ranks
             self.log.info(f"waiting for {ranks}, still at work (no progress here for {self.timeout:.0f} s)")
 
-    def _who_is_quiet(self, found: list[str], busy: list[int]) -> None:
-        """Append the verdict to found: which ranks' heartbeats stood still over three intervals; and to busy, the
-        other ranks whose work count moved meanwhile."""
+    def _who_is_quiet(self, found: list[str], busy: list[int], quiet_ranks: list[int]) -> None:
+        """Append the verdict to found: which ranks' heartbeats stood still over three intervals (to quiet_ranks,
+        those ranks); and to busy, the other ranks whose work count moved meanwhile."""
 
         def counts(what: str) -> list[int]:
             return [self._store.add(self._key(what, r), 0) for r in range(self.env.world_size)]
@@ -172,6 +178,7 @@ class Watchdog:
         others = [r for r in range(self.env.world_size) if r != self.env.rank]
         busy.extend(r for r in others if work_after[r] != work_before[r])
         quiet = [r for r in others if after[r] == before[r]]
+        quiet_ranks.extend(quiet)
         if not quiet:
             found.append("every rank is alive but the job is stuck in a collective")
             return
@@ -181,11 +188,16 @@ class Watchdog:
         who = ", ".join(f"rank {r} (last seen at step {steps[r]})" for r in quiet)
         found.append(f"{who} stopped responding (stopped, hung or cut off)")
 
-    def _exit(self, why: str) -> None:
-        self.log.error(
-            f"error: {why}; ending this worker. Rerun the same command with --resume auto to continue from "
-            "the last checkpoint"
+    def _exit(self, why: str, quiet: list[int] | None = None) -> None:
+        """quiet: the ranks the verdict found silent, where it is the verdict (not a store that went away)."""
+        message = (
+            f"{why}; ending this worker. Rerun the same command with --resume auto to continue from the last checkpoint"
         )
+        self.log.error(f"error: {message}")
+        if quiet is None:
+            events.stop("error", message)
+        else:
+            events.stop("error", message, events.WATCHDOG, quiet=quiet)
         for handler in self.log.handlers:
             handler.flush()
         sys.stdout.flush()

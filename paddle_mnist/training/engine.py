@@ -16,6 +16,7 @@ import paddle.nn.functional as F
 from paddle_mnist.config import Config
 from paddle_mnist.datasets import data
 from paddle_mnist.datasets.transfer import Feed
+from paddle_mnist.files import events
 from paddle_mnist.files.log import ProgressBar, memory_mb
 from paddle_mnist.network import dropout
 from paddle_mnist.runtime.distributed import (
@@ -120,11 +121,13 @@ class Epoch:
                         "images_per_sec": seen * env.world_size / elapsed,
                         "input_wait_share": timer.seconds["input_wait"] / elapsed,
                     }
+                    rss = memory_mb()[0]
                     self.log.info(  # the memory figure is the last word of a worker the out-of-memory killer ends
                         f"epoch {state.epoch + 1} step {steps}/{total} loss {now['loss']:.4f} lr {now['lr']:.5f} "
-                        f"{now['images_per_sec']:.0f} img/s (global), memory {memory_mb()[0]:.0f} MiB",
+                        f"{now['images_per_sec']:.0f} img/s (global), memory {rss:.0f} MiB",
                         extra={"step": state.step, "scalars": now},  # figures for --visualdl's handler
                     )
+                    events.emit("progress", epoch=state.epoch + 1, step=steps, steps=total, memory_mb=round(rss))
                 if bar.enabled:
                     bar.update(steps, f"loss {float(loss):.4f}")
                 yield state.step  # the caller's checkpoints and meetings count as logging/checkpoints time

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from paddle_mnist.config import Config, profile_window, tta_each_epoch
-from paddle_mnist.files import checkpoint
+from paddle_mnist.files import checkpoint, events
 from paddle_mnist.files.log import memory_mb
 from paddle_mnist.files.outputs import BEST_WEIGHTS, RunFiles, WriteFailed
 from paddle_mnist.runtime import distributed, preempt
@@ -22,13 +22,16 @@ from paddle_mnist.training.profiling import ProfileWindow
 from paddle_mnist.training.state import TrainState
 
 
-def stopped(signum: int, step: int, where: str, saved: Path | None, sender: str = "") -> Preempted:
-    """sender: who took the signal where it was another rank (Session.sender), else empty."""
+def stopped(
+    signum: int, step: int, where: str, saved: Path | None, sender: str = "", took: int | None = None
+) -> Preempted:
+    """sender: who took the signal where it was another rank (Session.sender), else empty; took: that rank."""
     kept = f"checkpoint {saved}" if saved else "nothing trained yet, so no checkpoint"
     return Preempted(
         signum,
         f"stopped by {preempt.signal_name(signum)} at step {step} ({where}{sender}); {kept}; "
         f"continue with: {preempt.resume_command()}",
+        took,
     )
 
 
@@ -69,6 +72,13 @@ def log_epoch(
     log.info(f"epoch {row['epoch']} time per {shares}")
     # logs.py reads "epoch N/M done" and "epoch N/M stopped at --max-steps S"
     ended = f"stopped at --max-steps {cfg.max_steps} (batch {cut[0]} of {cut[1]})" if cut else "done"
+    events.emit(
+        "epoch",
+        epoch=row["epoch"],
+        epochs=cfg.epochs,
+        max_steps=cfg.max_steps if cut else None,
+        memory_mb=round(row["rss_mb"]),
+    )
     log.info(
         f"epoch {row['epoch']}/{cfg.epochs} {ended}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f} ({row['val_count']} images) | "
@@ -154,10 +164,11 @@ class Session:
         self.first_step = state.step  # this session's: a resumed run estimates only the steps it has left
         self.clock = timing.RunClock()
         self.sender = ""  # set by meet(): which rank took the stop signal, where this one took none
+        self.took: int | None = None
 
     def __enter__(self) -> Session:
         if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
-            raise stopped(signum, self.state.step, "before training", self.resumed, self.sender)
+            raise stopped(signum, self.state.step, "before training", self.resumed, self.sender, self.took)
         self.started = time.time() - self.state.trained_before  # wall time covers every session of the run
         self.profile.begin(self.state.step)
         self.dog.__enter__()
@@ -194,6 +205,7 @@ class Session:
             if not self.stop.signum and took:
                 why = ", its launcher having gone away" if orphaned == took else ""
                 self.sender = f"; rank {int(took) - 1} took the signal{why}, this rank none"
+                self.took = int(took) - 1
         return int(signum)
 
     def average_statistics(self) -> None:
@@ -223,7 +235,7 @@ class Session:
                 self._save_mid_epoch(loss_sum, for_stop=True)
                 self.meet(state.step)  # a failed save stops every rank with the write error
             where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender, self.took)
 
     def estimate(self) -> str:
         """This session's time from its first step to its last epoch's end (training and evaluation; not start-up,
@@ -311,7 +323,7 @@ class Session:
         self.clock.epoch_end()
         if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
             where = f"end of epoch {row['epoch']}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender, self.took)
         if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True
