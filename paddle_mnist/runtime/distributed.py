@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import sys
@@ -132,16 +133,28 @@ def plain_batch_norm(model: paddle.nn.Layer, plain: paddle.nn.Layer) -> paddle.n
     return plain
 
 
-# Gradient buckets in MB. Smaller than Paddle's defaults (25, 1) so that the all-reduce of the last layers'
+# Gradient buckets in MB for NCCL. Smaller than Paddle's defaults (25, 1) so that the all-reduce of the last layers'
 # gradients starts while backward still runs through the first ones; the reasoning is in docs/performance.md.
 COMM_BUFFER_MB, LAST_COMM_BUFFER_MB = 2, 0.25
+
+
+def buckets(model: paddle.nn.Layer, env: DistEnv) -> tuple[float, float]:
+    """DataParallel's (comm_buffer_size, last_comm_buffer_size). Gloo runs each all-reduce in the calling thread,
+    to its end, so a bucket's all-reduce overlaps nothing on the CPU and only adds a point mid-backward where the
+    ranks wait for each other: there, one bucket that holds every gradient (docs/performance.md)."""
+    if env.backend != "gloo":
+        return COMM_BUFFER_MB, LAST_COMM_BUFFER_MB
+    size = sum(p.numel() * p.element_size() for p in model.parameters() if not p.stop_gradient)
+    whole = float(math.ceil(int(size) / 2**20) + 1)
+    return whole, whole
 
 
 def wrap(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
     """DataParallel for more than one worker: it broadcasts rank 0's weights, then averages gradients."""
     if env.world_size == 1:
         return model
-    return paddle.DataParallel(model, comm_buffer_size=COMM_BUFFER_MB, last_comm_buffer_size=LAST_COMM_BUFFER_MB)
+    comm, last = buckets(model, env)
+    return paddle.DataParallel(model, comm_buffer_size=comm, last_comm_buffer_size=last)
 
 
 def gradient_sync(model: paddle.nn.Layer, sync: bool):
