@@ -33,6 +33,8 @@ DIVERGED, LEARNED_NOTHING, WATCHDOG = "diverged", "learned_nothing", "watchdog"
 SIGNAL, SIGNAL_ECHO = "signal", "signal_echo"  # this rank took the stop signal; another rank did
 LAUNCHER_GONE = "launcher_gone"  # an event of its own, before the stop its SIGTERM brings
 
+# One event log a process, like its logger: the writers (cli, the watchdog, the stop signals, the engine, the
+# checkpoint writer) each record their own fact without a handle passed through every call between them.
 _lock = threading.Lock()  # the watchdog and the stop-signal thread write beside the main thread
 _file = None
 
