@@ -231,7 +231,6 @@ class RankReport:
     stopped_at: float | None = None  # when its stop (a signal) was written, if it has one
     quiet: tuple[int, ...] | None = None  # the ranks its watchdog's verdict found silent, from its events
     checkpoint: tuple[int, str] | None = None  # the step and path of the last checkpoint it wrote, from its events
-    told: bool = False  # whether its events were read (else its English lines were)
 
 
 def known_failure(lines: list[str], told: dict[str, str] | None = None) -> tuple[Failure | None, tuple[str, ...]]:
@@ -240,8 +239,8 @@ def known_failure(lines: list[str], told: dict[str, str] | None = None) -> tuple
     for kind in KNOWN:
         if told is not None and kind.told in told:
             return kind, (told[kind.told],)
-        said = [p for p in (kind.pattern, None if told is not None else kind.prose) if p is not None]
-        found = [line.strip() for line in lines if any(p.search(line) for p in said)]
+        said = (kind.pattern,) if told is not None else (kind.pattern, kind.prose)
+        found = [line.strip() for line in lines if any(p and p.search(line) for p in said)]
         if found:
             more = [line.strip() for line in lines if kind.detail and kind.detail.search(line)]
             return kind, tuple(dict.fromkeys(more + found[:3]))
@@ -290,7 +289,6 @@ def read_rank(path: Path, source: str | None = None) -> RankReport:
         earlier_runs=earlier,
         source=source or path.name,
         fallback_rank=_number(path) if source is None else None,
-        told=facts is not None,
         **report,
     )
 

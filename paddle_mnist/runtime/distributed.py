@@ -144,8 +144,8 @@ def buckets(model: paddle.nn.Layer, env: DistEnv) -> tuple[float, float]:
     ranks wait for each other: there, one bucket that holds every gradient (docs/performance.md)."""
     if env.backend != "gloo":
         return COMM_BUFFER_MB, LAST_COMM_BUFFER_MB
-    size = sum(p.numel() * p.element_size() for p in model.parameters() if not p.stop_gradient)
-    whole = float(math.ceil(int(size) / 2**20) + 1)
+    size = sum(math.prod(p.shape) * p.element_size() for p in model.parameters() if not p.stop_gradient)
+    whole = float(math.ceil(size / 2**20) + 1)
     return whole, whole
 
 

@@ -23,13 +23,18 @@ from paddle_mnist.training.state import TrainState
 
 
 def stopped(
-    signum: int, step: int, where: str, saved: Path | None, sender: str = "", took: int | None = None
+    signum: int, step: int, where: str, saved: Path | None, sender: tuple[int, bool] | None = None
 ) -> Preempted:
-    """sender: who took the signal where it was another rank (Session.sender), else empty; took: that rank."""
+    """sender: where another rank took the signal, that rank and whether its launcher had gone away
+    (Session.sender), else None."""
     kept = f"checkpoint {saved}" if saved else "nothing trained yet, so no checkpoint"
+    took, said = None, ""
+    if sender is not None:
+        took, orphaned = sender
+        said = f"; rank {took} took the signal{', its launcher having gone away' if orphaned else ''}, this rank none"
     return Preempted(
         signum,
-        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}{sender}); {kept}; "
+        f"stopped by {preempt.signal_name(signum)} at step {step} ({where}{said}); {kept}; "
         f"continue with: {preempt.resume_command()}",
         took,
     )
@@ -163,12 +168,12 @@ class Session:
         self.eval_images = eval_images  # one evaluation's, for the estimate of the run's time
         self.first_step = state.step  # this session's: a resumed run estimates only the steps it has left
         self.clock = timing.RunClock()
-        self.sender = ""  # set by meet(): which rank took the stop signal, where this one took none
-        self.took: int | None = None
+        # set by meet(): which rank took the stop signal, where this one took none, and whether its launcher went away
+        self.sender: tuple[int, bool] | None = None
 
     def __enter__(self) -> Session:
         if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
-            raise stopped(signum, self.state.step, "before training", self.resumed, self.sender, self.took)
+            raise stopped(signum, self.state.step, "before training", self.resumed, self.sender)
         self.started = time.time() - self.state.trained_before  # wall time covers every session of the run
         self.profile.begin(self.state.step)
         self.dog.__enter__()
@@ -203,9 +208,7 @@ class Session:
         if signum:
             self.stop.explain()
             if not self.stop.signum and took:
-                why = ", its launcher having gone away" if orphaned == took else ""
-                self.sender = f"; rank {int(took) - 1} took the signal{why}, this rank none"
-                self.took = int(took) - 1
+                self.sender = (int(took) - 1, orphaned == took)
         return int(signum)
 
     def average_statistics(self) -> None:
@@ -235,7 +238,7 @@ class Session:
                 self._save_mid_epoch(loss_sum, for_stop=True)
                 self.meet(state.step)  # a failed save stops every rank with the write error
             where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender, self.took)
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
 
     def estimate(self) -> str:
         """This session's time from its first step to its last epoch's end (training and evaluation; not start-up,
@@ -323,7 +326,7 @@ class Session:
         self.clock.epoch_end()
         if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
             where = f"end of epoch {row['epoch']}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender, self.took)
+            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
         if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True
