@@ -116,6 +116,7 @@ class Config:
     weight_decay: float = 5e-4
     clip_grad_norm: float = 0.0  # largest global gradient norm, after the all-reduce (0: no clipping)
     ema: float = 0.0  # decay of the weights' moving average, evaluated and saved when on (0: off)
+    lookahead: bool = False  # every 5 steps the weights are pulled back to a slow copy of them (lookahead.py)
     tta: bool = False  # the final test score (each epoch's too with target_acc) averages image and mirror image
     tta_shift: bool = False  # with tta: also with the image and its mirror moved 1 px both ways (6 views)
     target_acc: float = 0.0  # end the run at the first evaluation at least this accurate (0: train every epoch)
@@ -299,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.ema,
         help="keep an exponential moving average of the weights with this decay (e.g. 0.999) and evaluate, save and "
         "export it instead of the last weights (0: off)",
+    )
+    p.add_argument(
+        "--lookahead",
+        action="store_true",
+        help="every 5 steps pull the weights back to a slow copy of them that follows them ever more slowly as the "
+        "run goes on, and end the run on the slow copy (airbench94's lookahead)",
     )
     p.add_argument(
         "--tta",

@@ -16,11 +16,10 @@ of BASE, off there, so each can be tried alone or taken away (docs/results.md, "
 alone (3 seeds); phase 2 combines the changes that helped, at several widths and epoch counts. Each run appends
 one JSON line: the variant, the seed, the test accuracy after each epoch and the seconds from the run's start to
 the end of that evaluation, the final accuracy with the variant's TTA, the training FLOPs and the seconds it took.
-On the CPU (`--device cpu`, threads from OMP_NUM_THREADS) one variant run alone times the recipe beside the
-trainer's record (docs/results.md):
+`time` trains the trainer's record recipe (RECORD) once on the CPU, threads from OMP_NUM_THREADS: the PyTorch side
+of `python -m scripts.time_to_accuracy --torch-python PYTHON` (docs/results.md):
 
-    OMP_NUM_THREADS=2 python -m scripts.torch_recipes search /tmp/cifar.npz --device cpu --workers 1 --seeds 1 \
-        --variants '{"record": {"lr": 0.4, "nesterov": true, "smoothing": 0.1, "val": 0, "epochs": 10, "tta": "shift"}}'
+    OMP_NUM_THREADS=2 python -m scripts.torch_recipes time /tmp/cifar.npz --seed 1
 """
 
 from __future__ import annotations
@@ -133,6 +132,9 @@ CHANGES = {
 }
 SEEDS = (0, 1, 2)
 
+# the trainer's record recipe (config.RECIPES["cifar_fast"] with the record command's --val-split 0 --tta-shift)
+RECORD = {"lr": 0.4, "nesterov": True, "smoothing": 0.1, "val": 0.0, "epochs": 10, "tta": "shift"}
+
 
 def train_flops(widths: tuple[int, ...], stem: int, side: int = 32, arch: str = "ours") -> float:
     """Multiply-adds x 2 x 3 (forward and backward) per image of the convolutions and the classifier."""
@@ -186,6 +188,7 @@ def run(task: Task, data: dict, device: str) -> dict:
     from torch import nn
 
     began = time.perf_counter()  # before the data's split, its statistics and the whitening, as the trainer's time_s
+    began_wall = time.time()
     r, seed = task.recipe, task.seed
     torch.manual_seed(seed)
     gen = np.random.default_rng(seed)
@@ -407,6 +410,7 @@ def run(task: Task, data: dict, device: str) -> dict:
         "train_tflop": round(flops * total * r["batch"] / 1e12, 1),
         "seconds": round(time.perf_counter() - start, 1),
         "total_s": round(time.perf_counter() - began, 1),
+        "began_at": began_wall,  # the clock (time.time) when `times` start
         "recipe": {k: v for k, v in r.items() if BASE.get(k) != v},
     }
 
@@ -504,6 +508,18 @@ def search(args: argparse.Namespace) -> int:
     return 0
 
 
+def time_record(args: argparse.Namespace) -> int:
+    """One run of RECORD (with --override) in this process, on the CPU: one JSON line, as search writes."""
+    import torch
+
+    torch.manual_seed(args.seed)
+    data = dict(np.load(args.data))
+    result = run(Task("record", args.seed, {**BASE, **RECORD, **args.override}), data, "cpu")
+    result["threads"] = torch.get_num_threads()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
 def _cuda() -> bool:
     import torch
 
@@ -529,7 +545,13 @@ def main(argv: list[str] | None = None) -> int:
     find.add_argument("--device", default="auto")
     find.add_argument("--base", choices=("ours", "airbench"), default="ours", help="what --variants change")
     find.add_argument("--variants", type=json.loads, default=None, help='JSON {"name": {changes}, ...} to run alone')
+    once = verbs.add_parser("time", help="train the trainer's record recipe once on the CPU (time_to_accuracy.py)")
+    once.add_argument("data")
+    once.add_argument("--seed", type=int, default=1)
+    once.add_argument("--override", type=json.loads, default={}, help='JSON changes to RECORD, e.g. {"epochs": 11}')
     args = parser.parse_args(argv)
+    if args.verb == "time":
+        return time_record(args)
     if args.verb == "prepare":
         prepare(args.archive, args.out, args.limit)
         return 0

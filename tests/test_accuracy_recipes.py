@@ -1,4 +1,4 @@
-"""The flags of the fast recipes: --ema, --tta, --target-acc, and the time column they are judged by."""
+"""The flags of the fast recipes: --ema, --lookahead, --tta, --target-acc, and the time column they are judged by."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from paddle_mnist.network.models import MnistCNN, build_model
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training.ema import WeightAverage, ema_decay
 from paddle_mnist.training.engine import evaluate
+from paddle_mnist.training.lookahead import Lookahead, lookahead_decay
 
 ONE = DistEnv(0, 1, 0, 1, "none", "cpu")
 
@@ -45,6 +46,37 @@ def test_weight_average_follows_its_formula():
     avg.update(step=1000)  # past the ramp: d = 0.5
     for key, value in avg.state_dict().items():
         np.testing.assert_allclose(value.numpy(), start[key] + 0.5, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_lookahead_pulls_every_fifth_step_and_ends_on_the_slow_copy():
+    paddle.seed(1)
+    net = build_model("mnist_cnn_bn")
+    ahead = Lookahead(net)
+    params = {k: p for k, p in net.named_parameters() if not p.stop_gradient}
+    assert "features.1._mean" not in params and "fc.weight" in params  # statistics have no slow copy, weights do
+    assert set(ahead.state_dict()) == set(params)
+    slow = {k: p.numpy().copy() for k, p in params.items()}
+    planned = 12
+    for step in range(1, planned + 1):
+        with paddle.no_grad():
+            for p in net.parameters():
+                paddle.assign(p + 1.0, output=p)  # a "training step" that moves every weight by one
+        moved = {k: p.numpy().copy() for k, p in params.items()}
+        ahead.update(step, planned)
+        now = {k: p.numpy() for k, p in params.items()}
+        if step % 5 == 0:
+            d = 0.95**5 * (step / planned) ** 3
+            assert d == pytest.approx(lookahead_decay(step, planned))
+            for k in slow:
+                slow[k] = d * slow[k] + (1 - d) * moved[k]
+                np.testing.assert_allclose(now[k], slow[k], rtol=1e-5, atol=1e-5, err_msg=f"{k} at step {step}")
+        elif step == planned:  # the last step: the weights become the slow copy, which does not move
+            for k in slow:
+                np.testing.assert_allclose(now[k], slow[k], rtol=1e-5, atol=1e-5, err_msg=f"{k} at the end")
+        else:
+            for k in slow:
+                np.testing.assert_array_equal(now[k], moved[k], err_msg=f"{k} at step {step}")
+    assert lookahead_decay(planned, planned) == pytest.approx(0.95**5)
 
 
 @pytest.mark.slow

@@ -224,6 +224,8 @@ class Session:
             self.log.info(self.estimate())
         self.dog.progress(state.step)
         self.profile.after_step(state.step)
+        if state.lookahead:
+            state.lookahead.update(state.step, state.planned_steps)
         if state.ema:
             state.ema.update(state.step)
         every = cfg.save_every_steps

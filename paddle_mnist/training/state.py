@@ -15,6 +15,7 @@ from paddle_mnist.runtime import distributed
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import rng
 from paddle_mnist.training.ema import WeightAverage
+from paddle_mnist.training.lookahead import Lookahead
 
 
 def make_schedule(cfg: Config, total_steps: int, warmup_steps: int) -> paddle.optimizer.lr.LRScheduler:
@@ -91,6 +92,7 @@ class TrainState:
             None  # the epoch of highest validation accuracy: epoch, step, val_acc, val_loss, digest
         )
         self.untrained: dict[str, list] = {"model": [], "ema": []}  # every rank's statistics, from a stop's checkpoint
+        self.lookahead = Lookahead(model) if cfg.lookahead else None
 
     @classmethod
     def create(
@@ -158,6 +160,7 @@ class TrainState:
         return {
             "model": distributed.unwrap(self.model).state_dict(),
             "ema": self.ema.state_dict() if self.ema else None,
+            "lookahead": self.lookahead.state_dict() if self.lookahead else None,
             "optimizer": self.opt.state_dict(),
             "lr_scheduler": self.sched.state_dict(),
             "epoch": self.epoch,
@@ -189,6 +192,12 @@ class TrainState:
             self.scaler.load_state_dict(contents["scaler"])
         if self.ema:  # a checkpoint from before --ema was turned on starts the average from its weights
             checkpoint.set_weights(self.ema.net, contents.get("ema") or contents["model"], path, RESUME_FIX)
+        if self.lookahead:  # likewise a checkpoint from before --lookahead: the slow copy starts as its weights
+            saved = contents.get("lookahead") or contents["model"]
+            try:
+                self.lookahead.set_state_dict(saved, str(path))
+            except ValueError as error:
+                raise checkpoint.CheckpointError(f"{error}; {RESUME_FIX}") from None
         saved_rng = contents["rng"]
         chosen, warning = rng.to_restore(saved_rng["by_rank"], env.rank, env.world_size, env.device)
         rng.apply(chosen, env.device)
