@@ -512,7 +512,6 @@ def time_record(args: argparse.Namespace) -> int:
     """One run of RECORD (with --override) in this process, on the CPU: one JSON line, as search writes."""
     import torch
 
-    torch.manual_seed(args.seed)
     data = dict(np.load(args.data))
     result = run(Task("record", args.seed, {**BASE, **RECORD, **args.override}), data, "cpu")
     result["threads"] = torch.get_num_threads()
