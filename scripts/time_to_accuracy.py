@@ -52,15 +52,20 @@ def run_seed(args, seed: int, work: Path) -> dict:
     rows = plots.read_metrics(out / plots.METRICS_FILE)
     result = json.loads((out / "results.json").read_text())
     accs, times = [r["val_acc"] for r in rows], [r["time_s"] for r in rows]
-    reached = judged(args.target, accs, times, result["test_acc"], wall)
+    return report(args, seed, accs, times, result["test_acc"], wall, best_val_acc=max(accs))
+
+
+def report(args, seed: int, accs: list[float], times: list[float], final: float, wall: float, **more) -> dict:
+    """One run's figures: each target's time and epoch (judged), the final score, the epochs' scores and times."""
+    reached = judged(args.target, accs, times, final, wall)
     return {
         "seed": seed,
         "reached": reached,
         "time_to_target_s": reached[-1]["time_s"],
         "epoch_at_target": reached[-1]["epoch"],
-        "final_acc": result["test_acc"],
-        "best_val_acc": max(r["val_acc"] for r in rows),
-        "epochs": len(rows),
+        "final_acc": final,
+        **more,
+        "epochs": len(accs),
         "wall_s": wall,
         "val_acc_by_epoch": accs,
         "time_s_by_epoch": times,
@@ -95,19 +100,7 @@ def run_torch(args, seed: int) -> dict:
         sys.exit(f"PyTorch seed {seed} failed (exit {proc.returncode})\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     times = [round(r["began_at"] - started + t, 1) for t in r["times"]]
-    reached = judged(args.target, r["accs"], times, r["final"], wall)
-    return {
-        "seed": seed,
-        "reached": reached,
-        "time_to_target_s": reached[-1]["time_s"],
-        "epoch_at_target": reached[-1]["epoch"],
-        "final_acc": r["final"],
-        "epochs": len(r["accs"]),
-        "wall_s": wall,
-        "val_acc_by_epoch": r["accs"],
-        "time_s_by_epoch": times,
-        "threads": r["threads"],
-    }
+    return report(args, seed, r["accs"], times, r["final"], wall, threads=r["threads"])
 
 
 def describe(r: dict) -> str:
