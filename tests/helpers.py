@@ -175,13 +175,19 @@ def run_single(args: list[str], cwd: Path, timeout: int = 300, env: dict | None 
 
 
 def run_launch(
-    args: list[str], cwd: Path, log_dir: Path, launch_args: list[str] | None = None, timeout: int = 300
+    args: list[str],
+    cwd: Path,
+    log_dir: Path,
+    launch_args: list[str] | None = None,
+    timeout: int = 300,
+    env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """python -m paddle.distributed.launch [launch_args] --log_dir LOG train.py ARGS, as a user would type it."""
+    """python -m paddle.distributed.launch [launch_args] --log_dir LOG train.py ARGS, as a user would type it;
+    env: variables set on top of launch_env()'s."""
     launch_args = ["--nproc_per_node", "2"] if launch_args is None else launch_args
     cmd = [sys.executable, "-m", "paddle.distributed.launch", *launch_args, "--log_dir", str(log_dir)]
     cmd += [str(TRAIN_PY), *args]
-    return subprocess.run(cmd, cwd=cwd, env=launch_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=launch_env() | (env or {}), capture_output=True, text=True, timeout=timeout)
 
 
 def run_one_and_two(root: Path, args: list[str]) -> Path:

@@ -6,7 +6,9 @@ would; the tests of building itself use a cache of their own.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import re
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import numpy as np
 import paddle
 import paddle.nn.functional as F
 import pytest
-from helpers import explain, launch_env, make_dataset, read_results, run_single, small_run
+from helpers import REPO, explain, launch_env, make_dataset, read_results, run_single, small_run
 
 from paddle_mnist.network import models
 from paddle_mnist.ops import onednn
@@ -80,6 +82,83 @@ def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
     for name, a, b in zip(("output", "input gradient", "weight gradient", "bias gradient"), ours, paddles):
         assert a.shape == b.shape, name
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=name)
+
+
+def per_image(run, x: np.ndarray, grad: np.ndarray, *params: np.ndarray) -> list[np.ndarray]:
+    """run's output for the batch x and the gradients of sum(output * grad) for x and each parameter."""
+    inputs = [paddle.to_tensor(t, stop_gradient=False) for t in (x, *params)]
+    y = run(*inputs)
+    (y * paddle.to_tensor(grad)).sum().backward()
+    return [y.numpy()] + [t.grad.numpy() for t in inputs]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"{g[1]}x{g[2]}-k{g[4]}s{g[5]}p{g[6]}" for g in GEOMETRIES])
+def test_an_images_results_do_not_depend_on_the_batch_around_it(op, geometry, bias, threads):
+    """Each image's output and input gradient are the same bits in a batch as alone, and the weights' and the bias's
+    gradients of a batch are its images' gradients added in order, on 1 thread as on 2: a batch split among
+    workers or micro-batches sums the same per-image numbers as one process (docs/training.md, "N workers equal
+    one process"). oneDNN's kernels for a whole batch sum it in an order of their own, which changed with the
+    batch's size and rounded 20 times more than this."""
+    n, c, side, out, kernel, stride, padding = geometry
+    n = max(n, 3)
+    rng = np.random.default_rng(side * kernel + c)
+    x = rng.normal(size=(n, c, side, side)).astype("float32")
+    w = (rng.normal(size=(out, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype("float32")
+    params = (w, rng.normal(size=(out,)).astype("float32")) if bias else (w,)
+    if bias:
+        conv = lambda x, w, b: op.onednn_conv2d_bias(x, w, b, stride, padding, True)  # noqa: E731
+    else:
+        conv = lambda x, w: op.onednn_conv2d(x, w, stride, padding, True)  # noqa: E731
+    o = (side + 2 * padding - kernel) // stride + 1
+    grad = rng.normal(size=(n, out, o, o)).astype("float32")
+    before = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_get_max_threads()  # oneDNN's runtime
+    onednn.set_openmp_threads(threads)
+    try:
+        batch = per_image(conv, x, grad, *params)
+        alone = [per_image(conv, x[i : i + 1], grad[i : i + 1], *params) for i in range(n)]
+    finally:
+        onednn.set_openmp_threads(before)
+    for k, name in enumerate(("output", "input gradient")):
+        assert np.array_equal(batch[k], np.concatenate([a[k] for a in alone])), name
+    for k, name in zip(range(2, len(batch)), ("weight gradient", "bias gradient")):
+        summed = alone[0][k].copy()
+        for a in alone[1:]:
+            summed += a[k]  # float32, image after image
+        assert np.array_equal(batch[k], summed), name
+
+
+def test_a_pooled_images_results_do_not_depend_on_the_batch_around_it(op):
+    """max_pool2x2's output and input gradient of each image are the same bits in a batch as alone."""
+    rng = np.random.default_rng(3)
+    x = np.round(rng.normal(size=(5, 4, 14, 14)) * 2).astype("float32") / 2  # halves: windows with ties
+    grad = rng.normal(size=(5, 4, 7, 7)).astype("float32")
+    batch = per_image(lambda t: op.max_pool2x2(t)[0], x, grad)
+    alone = [per_image(lambda t: op.max_pool2x2(t)[0], x[i : i + 1], grad[i : i + 1]) for i in range(5)]
+    for k, name in enumerate(("output", "input gradient")):
+        assert np.array_equal(batch[k], np.concatenate([a[k] for a in alone])), name
+
+
+def test_the_batch_numerics_script_finds_each_images_results_unchanged_by_its_batch(op):
+    """scripts/batch_numerics.py on a trained mnist_cnn and real Fashion-MNIST: every operator's output and input
+    gradient the same bits in a batch of 24 as in its 3 parts, the weights' gradients and the model's apart by
+    rounding only."""
+    cmd = [sys.executable, "-m", "scripts.batch_numerics", "--steps", "2", "--batch-size", "24", "--parts", "3"]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in proc.stdout.splitlines()]
+    operators = [r for r in rows if r and r[0].startswith(("conv", "pool"))]
+    # the two blocks of mnist_cnn: a convolution (its bias added after the pool), then the pool
+    blocks = ["output", "input gradient", "weight gradient"] + ["output", "input gradient"]
+    assert [r[1] for r in operators] == blocks * 2, operators
+    for what, result, ours, _, _ in operators:
+        if result in ("output", "input gradient"):
+            assert float(ours) == 0, (what, result)
+        else:
+            assert float(ours) < 1e-5, (what, result)
+    model = [r for r in rows if len(r) == 3 and r[0] in ("onednn", "paddle")]
+    assert len(model) == 12 and all(float(r[2]) < 1e-5 for r in model), model
 
 
 @pytest.mark.parametrize("through", ["conv2d", "max_pool2x2"])
@@ -198,6 +277,9 @@ def test_the_block_is_sixteen_channels_with_avx512_and_eight_without():
     assert onednn.channel_block({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}) == 16
     assert onednn.channel_block({"avx2", "fma", "avx512f"}) == 8  # the first AVX-512 (Knights Landing) lacks BW
     assert onednn.channel_block({"avx2", "fma"}) == 8
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
+    for isa, block in (("AVX2", 8), ("avx2_vnni", 8), ("SSE41", 8), ("AVX512_CORE", 16), ("AVX512_CORE_AMX", 16)):
+        assert onednn.channel_block(avx512, {"ONEDNN_MAX_CPU_ISA": isa}) == block, isa  # oneDNN held below AVX-512
     assert onednn.BLOCK == onednn.channel_block(cpu.cpu_flags(Path("/proc/cpuinfo").read_text())[1])
 
 
@@ -398,31 +480,32 @@ def test_the_build_check_refuses_a_max_pool_with_another_gradient():
 
 
 def weights_pass_ran(code: str, shape: str) -> tuple[str, str]:
-    """Run code in a fresh process with oneDNN's log on: the one backward-weights line of the convolution whose
-    shape is described by `shape` (oneDNN's "mb8_ic1oc20"), and the process's output."""
+    """Run code in a fresh process with oneDNN's log on: a backward-weights line of the convolution whose shape is
+    described by `shape` (oneDNN's "mb1_ic1oc20"), every such line naming one kernel, and the process's output."""
     env = launch_env() | {"ONEDNN_VERBOSE": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, explain(proc)
     ran = [line for line in proc.stdout.splitlines() if ",exec," in line and shape in line]
     weights = [line for line in ran if "backward_weights" in line]
-    assert len(weights) == 1, ran
-    kernel = weights[0].split(",convolution,")[1].split(",")[0]
+    kernels = {line.split(",convolution,")[1].split(",")[0] for line in weights}
+    assert weights and len(kernels) == 1, ran
+    kernel = kernels.pop()
     assert kernel.startswith("jit") and "gemm" not in kernel, weights[0]
     return weights[0], proc.stdout
 
 
 def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it(op):
-    """The backward-weights primitive of a 1-channel input is a direct kernel, never im2col and a GEMM or the
-    reference loops, and with oneDNN 3.6 (Paddle 3.3) its kernel for first layers, which takes the input in NCHW
-    instead of padding the channel to 8 (8 times the work); oneDNN 3.2 (Paddle 2.6) has none for NCHW, and the
-    primitive takes the blocked layout there. Read from oneDNN's own log of what ran."""
+    """The backward-weights primitive of a 1-channel input (made for one image, run on each) is a direct kernel,
+    never im2col and a GEMM or the reference loops, and with oneDNN 3.6 (Paddle 3.3) its kernel for first layers,
+    which takes the input in NCHW instead of padding the channel to 8 (8 times the work); oneDNN 3.2 (Paddle 2.6)
+    has none for NCHW, and the primitive takes the blocked layout there. Read from oneDNN's own log of what ran."""
     code = (
         "import paddle; from paddle_mnist.ops import onednn as o; "
         "print(o.activate(o.prepare('onednn'), 'cpu')); "
         "x, w = paddle.randn([8, 1, 28, 28]), paddle.randn([20, 1, 5, 5]); w.stop_gradient = False; "
         "o.conv2d(x, w, 1, 2).sum().backward()"
     )
-    weights, stdout = weights_pass_ran(code, "mb8_ic1oc20")
+    weights, stdout = weights_pass_ran(code, "mb1_ic1oc20")
     version = re.search(r"oneDNN v(\d+)\.(\d+)", stdout)
     assert version, stdout[:500]
     if tuple(map(int, version.groups())) >= (3, 6):

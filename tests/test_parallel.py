@@ -93,6 +93,46 @@ def test_workers_equal_one_process_on_real_mnist_with_its_default_recipe(real_on
     assert "augmentation random shifts of up to 2 px" in log  # as the recipe says
 
 
+# The oldest check's job: Fashion-MNIST as shipped, mnist_cnn, batch 96, 15 steps, with oneDNN held to its AVX2
+# kernels (ONEDNN_MAX_CPU_ISA), those of the AMD EPYC where the operators' batch dependence showed, on any machine.
+# Seed 9: while oneDNN summed the weights' gradient over the batch in an order of its own, 2 and 3 workers and 3
+# micro-batches all ended 5.8e-4 from one process; summed image by image, 3.0e-7 to 3.9e-7 (2026-11-27). Other
+# seeds part by more where a value sits within rounding of a max-pool tie or ReLU's 0 (docs/training.md, "N workers
+# equal one process": over 16 seeds, 1 with oneDNN's convolutions and 3 with Paddle's).
+FASHION_JOB = ["--dataset", "fashion-mnist", "--model", "mnist_cnn", "--max-steps", "15", "--batch-size", "96"]
+FASHION_JOB += ["--train-limit", "3000", "--eval-limit", "600", "--seed", "9"]
+AVX2_KERNELS = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+@pytest.fixture(scope="module")
+def fashion_one(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("fashion") / "one"
+    proc = run_single([*FASHION_JOB, "--output-dir", str(out)], cwd=out.parent, env=AVX2_KERNELS)
+    assert proc.returncode == 0, explain(proc)
+    return out
+
+
+@pytest.mark.parametrize("split", ["2 workers", "3 workers", "3 micro-batches"])
+def test_workers_and_micro_batches_equal_one_process_on_fashion_mnist_with_onednn(fashion_one, tmp_path, split):
+    """The same global batch of 96 split among workers or micro-batches trains one process's weights to 1e-5 with
+    oneDNN's convolutions: each image's gradient is the same in any batch (tests/test_onednn.py)."""
+    args = [*FASHION_JOB, "--output-dir", str(tmp_path / "out")]
+    if split == "3 micro-batches":
+        proc = run_single([*args, "--accum-steps", "3"], cwd=tmp_path, env=AVX2_KERNELS)
+        assert proc.returncode == 0, explain(proc)
+        log = proc.stdout + proc.stderr
+    else:
+        launch = ["--nproc_per_node", split.split()[0]]
+        proc = run_launch(args, tmp_path, tmp_path / "log", launch, env=AVX2_KERNELS)
+        assert proc.returncode == 0, explain(proc, tmp_path / "log")
+        log = worker_log(tmp_path / "log", 0)
+    assert "convolutions: oneDNN" in log  # not Paddle's, which a failed build or check would fall back to
+    alone, split_run = weights(fashion_one / "model.pdparams"), weights(tmp_path / "out" / "model.pdparams")
+    assert alone.keys() == split_run.keys() and len(alone) == 6
+    for name in alone:
+        np.testing.assert_allclose(split_run[name], alone[name], atol=1e-5, rtol=0, err_msg=name)
+
+
 # cifar_cnn's three dropout layers on real MNIST: 6 steps, before a unit of its 512-wide hidden layer near 0 takes
 # a different side of ReLU in the two runs (the rounding of a sum over 96 images or of 3 sums over 32 tells them
 # apart; from step 9 on seed 7, with Paddle's convolution as with oneDNN's)

@@ -69,10 +69,13 @@ PLAN_CACHES = 4  # the convolutions', the conv modules', the blocked max-pools' 
 AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})  # what oneDNN's AVX-512 kernels need
 
 
-def channel_block(flags: set[str] | frozenset[str]) -> int:
+def channel_block(flags: set[str] | frozenset[str], environ: dict | os._Environ = os.environ) -> int:
     """The channel block of the maps MiniGoogLeNet trains on: oneDNN's own for its convolution kernels, 16 with
-    AVX-512, else 8 (docs/performance.md measures both)."""
-    return 16 if AVX512_CORE <= flags else 8
+    AVX-512, else 8 (docs/performance.md measures both). 8 also where ONEDNN_MAX_CPU_ISA holds oneDNN below AVX-512
+    (AVX2 and older), as it holds its kernels (how a machine with AVX-512 runs the kernels of one without)."""
+    isa = environ.get("ONEDNN_MAX_CPU_ISA", environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    below_avx512 = isa.startswith(("SSE", "AVX2")) or isa == "AVX"
+    return 16 if AVX512_CORE <= flags and not below_avx512 else 8
 
 
 def _processor_flags() -> set[str]:

@@ -72,29 +72,106 @@ dnnl::convolution_backward_weights::primitive_desc weights_primitive(
   return weights_primitive_with(g, any(g.src), hint);
 }
 
-// The backward-data and backward-weights primitives of one geometry and their operands.
+// The geometry of one image of g's batch.
+Geometry one_image(Geometry g) {
+  g.src[0] = g.dst[0] = 1;
+  return g;
+}
+
+// The layouts a map of one image may take in the weights' backward pass: each keeps an image's values together, so
+// image i of a batch in it starts i images' size in, and a batch in it is a run of images, one after another.
+const memory::format_tag kImageLayouts[] = {memory::format_tag::nchw, memory::format_tag::nChw16c,
+                                             memory::format_tag::nChw8c, memory::format_tag::nhwc};
+
+// The layout of kImageLayouts that d (dims of one image) is in; nchw where it is in none of them.
+memory::format_tag image_layout(const memory::desc& d) {
+  for (auto tag : kImageLayouts) {
+    if (memory::desc(d.get_dims(), memory::data_type::f32, tag) == d) return tag;
+  }
+  return memory::format_tag::nchw;
+}
+
+memory::desc with_batch(const Dims& dims, memory::format_tag tag) {
+  return memory::desc(dims, memory::data_type::f32, tag);
+}
+
+// The weights' gradient is summed image by image: a primitive made for a batch of one runs on each image in turn,
+// and each image's gradient is added to the sum of those before it, in the batch's order. oneDNN's kernels for a
+// whole batch sum over it in an order of their own, which changes with the batch's size and with how its images are
+// split among threads, in long running sums that round more than Paddle's convolution, which also adds one image at
+// a time (docs/training.md, "N workers equal one process"). So an image's gradient is the same bits in any batch,
+// as its output and its input's gradient are, and a batch split among workers or micro-batches adds up the same
+// numbers as one process. The primitive may split one image's work among threads; tests/test_onednn.py checks that
+// an image's gradient is the same on 1 thread and on 2.
+struct WeightsByImage {
+  explicit WeightsByImage(const Geometry& g)
+      : image(one_image(g)),
+        hint(hint_for(image)),
+        pd(make_pd()),
+        primitive(pd),
+        src_layout(image_layout(pd.src_desc())),
+        diff_dst_layout(image_layout(pd.diff_dst_desc())),
+        src_floats(pd.src_desc().get_size() / sizeof(float)),
+        diff_dst_floats(pd.diff_dst_desc().get_size() / sizeof(float)),
+        weights_floats(pd.diff_weights_desc().get_size() / sizeof(float)) {
+    note_kernel(pd);
+  }
+
+  static dnnl::convolution_forward::primitive_desc hint_for(const Geometry& g) {
+    return dnnl::convolution_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_training,
+                                                     dnnl::algorithm::convolution_direct, any(g.src), any(g.weights),
+                                                     any(g.dst), g.strides, g.pad_left, g.pad_right);
+  }
+
+  // The image primitive with its input and the output's gradient in layouts that hold a batch image after image:
+  // the layouts it chooses where they do, else Paddle's (NCHW), which every kernel takes.
+  dnnl::convolution_backward_weights::primitive_desc make_pd() const {
+    auto chosen = weights_primitive(image, hint);
+    const memory::format_tag s = image_layout(chosen.src_desc()), d = image_layout(chosen.diff_dst_desc());
+    return weights_primitive_with_dst(with_batch(image.src, s), with_batch(image.dst, d));
+  }
+
+  dnnl::convolution_backward_weights::primitive_desc weights_primitive_with_dst(const memory::desc& src,
+                                                                                const memory::desc& diff_dst) const {
+    using dnnl::convolution_backward_weights;
+    const auto direct = dnnl::algorithm::convolution_direct;
+    if (image.bias) {
+      return convolution_backward_weights::primitive_desc(cpu_engine(), direct, src, any(image.weights),
+                                                          bias_desc(image), diff_dst, image.strides, image.pad_left,
+                                                          image.pad_right, hint);
+    }
+    return convolution_backward_weights::primitive_desc(cpu_engine(), direct, src, any(image.weights), diff_dst,
+                                                        image.strides, image.pad_left, image.pad_right, hint);
+  }
+
+  Geometry image;
+  dnnl::convolution_forward::primitive_desc hint;
+  dnnl::convolution_backward_weights::primitive_desc pd;
+  dnnl::convolution_backward_weights primitive;
+  memory::format_tag src_layout, diff_dst_layout;  // of the batch: pd's layouts, image after image
+  size_t src_floats, diff_dst_floats, weights_floats;  // one image's input and output gradient, the weights' gradient
+};
+
+// The backward-data primitive of one geometry, the weights' (by image) and their operands.
 struct Backward {
   Backward(const Geometry& g, const dnnl::convolution_forward::primitive_desc& hint)
       : data_pd(cpu_engine(), dnnl::algorithm::convolution_direct, any(g.src), any(g.weights), any(g.dst),
                 g.strides, g.pad_left, g.pad_right, hint),
-        weights_pd(weights_primitive(g, hint)),
+        weights(g),
         data(data_pd),
-        weights(weights_pd),
         data_diff_dst(g.dst, data_pd.diff_dst_desc()),
         data_weights(g.weights, data_pd.weights_desc()),
         data_diff_src(g.src, data_pd.diff_src_desc()),
-        weights_src(g.src, weights_pd.src_desc()),
-        weights_diff_dst(g.dst, weights_pd.diff_dst_desc()),
-        weights_diff_weights(g.weights, weights_pd.diff_weights_desc()),
-        share_diff_dst(data_pd.diff_dst_desc() == weights_pd.diff_dst_desc()) {
+        weights_src(g.src, with_batch(g.src, weights.src_layout)),
+        weights_diff_dst(g.dst, with_batch(g.dst, weights.diff_dst_layout)),
+        weights_diff_weights(g.weights, weights.pd.diff_weights_desc()),
+        share_diff_dst(data_pd.diff_dst_desc() == with_batch(g.dst, weights.diff_dst_layout)) {
     note_kernel(data_pd);
-    note_kernel(weights_pd);
   }
 
   dnnl::convolution_backward_data::primitive_desc data_pd;
-  dnnl::convolution_backward_weights::primitive_desc weights_pd;
+  WeightsByImage weights;
   dnnl::convolution_backward_data data;
-  dnnl::convolution_backward_weights weights;
   Operand data_diff_dst, data_weights, data_diff_src;
   Operand weights_src, weights_diff_dst, weights_diff_weights;
   bool share_diff_dst;  // both want the output's gradient in the same layout: reorder it once
@@ -169,6 +246,35 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
   return out;
 }
 
+// The weights' gradient (and the bias's, where bias_sum is given) of a batch, summed image by image in order
+// (WeightsByImage): src and diff_dst hold the batch in the primitive's layouts, image after image.
+void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff_dst, const memory& sum,
+                  float* bias_sum, int64_t batch) {
+  const float* src_data = static_cast<const float*>(src.get_data_handle());
+  const float* diff_dst_data = static_cast<const float*>(diff_dst.get_data_handle());
+  float* sum_data = static_cast<float*>(sum.get_data_handle());
+  const int64_t channels = w.image.weights[0];
+  std::vector<float> one(w.weights_floats), one_bias(bias_sum != nullptr ? channels : 0);
+  memory image_src(w.pd.src_desc(), cpu_engine(), DNNL_MEMORY_NONE);
+  memory image_diff_dst(w.pd.diff_dst_desc(), cpu_engine(), DNNL_MEMORY_NONE);
+  memory first(w.pd.diff_weights_desc(), cpu_engine(), sum_data);
+  memory next(w.pd.diff_weights_desc(), cpu_engine(), one.data());
+  for (int64_t i = 0; i < batch; ++i) {
+    image_src.set_data_handle(const_cast<float*>(src_data + i * w.src_floats));
+    image_diff_dst.set_data_handle(const_cast<float*>(diff_dst_data + i * w.diff_dst_floats));
+    std::unordered_map<int, memory> args = {
+        {DNNL_ARG_SRC, image_src}, {DNNL_ARG_DIFF_DST, image_diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, i ? next : first}};
+    if (bias_sum != nullptr) {
+      args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(w.image), cpu_engine(), i ? one_bias.data() : bias_sum);
+    }
+    w.primitive.execute(cpu_stream(), args);
+    cpu_stream().wait();
+    if (i == 0) continue;
+    for (size_t k = 0; k < w.weights_floats; ++k) sum_data[k] += one[k];
+    for (size_t k = 0; k < one_bias.size(); ++k) bias_sum[k] += one_bias[k];
+  }
+}
+
 // The backward pass: the input's and the weights' gradients, and the bias's where the operator has one.
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
                                      int stride, int padding, bool input_grad, bool bias) {
@@ -179,15 +285,10 @@ std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tens
   float* grad_w_data = grad_w.data<float>();
   memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
   memory diff_weights = p.weights_diff_weights.output(grad_w_data);
-  std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.weights_src.input(x.data<float>())},
-                                          {DNNL_ARG_DIFF_DST, diff_dst},
-                                          {DNNL_ARG_DIFF_WEIGHTS, diff_weights}};
   paddle::Tensor grad_b;
-  if (bias) {
-    grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-    args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(plan->geometry), cpu_engine(), grad_b.data<float>());
-  }
-  p.weights.execute(cpu_stream(), args);
+  if (bias) grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  sum_by_image(p.weights, p.weights_src.input(x.data<float>()), diff_dst, diff_weights,
+               bias ? grad_b.data<float>() : nullptr, x.shape()[0]);
   p.weights_diff_weights.finish(diff_weights, grad_w_data);
   paddle::Tensor grad_x;
   if (input_grad) {

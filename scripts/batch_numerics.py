@@ -1,0 +1,208 @@
+"""Batch numerics: whether an image's results depend on the batch it is in, operator by operator and for a step.
+
+    python -m scripts.batch_numerics --dataset fashion-mnist --model mnist_cnn --batch-size 96 --parts 3 --steps 6
+
+Trains --steps steps of the model's recipe in this process (the operators of --conv-backend auto), so that the
+activations are a trained network's, then records the input of every convolution and 2x2 max-pool of one forward
+pass over the next batch. Each recorded operator then runs alone on that batch whole and on its --parts parts
+(the batch of one process against the micro-batches of --accum-steps or the shares of workers), with one fixed
+gradient for its output; and then the whole model's gradient, whole against parts. Each line gives the largest
+difference relative to the largest value:
+
+    output, input gradient   per image: 0 means an image's result does not depend on the batch around it
+    weight, bias gradient    sums over the batch: whole against the parts' sums added in order; rounding only,
+                             of the size Paddle's own convolution shows (its column)
+    against Paddle           the operator's whole-batch result against F.conv2d's or F.max_pool2d's
+
+Run it with ONEDNN_MAX_CPU_ISA=AVX2 to see the kernels of a processor without AVX-512 on one that has it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import zlib  # noqa: F401 (before Paddle: Paddle 2.6's own zlib symbols would otherwise serve gzip and crash it)
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+import paddle.nn.functional as F
+
+from paddle_mnist import config
+from paddle_mnist.datasets import data
+from paddle_mnist.network import dropout
+from paddle_mnist.ops import onednn
+from paddle_mnist.runtime import cpu
+from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import engine
+from paddle_mnist.training.state import TrainState
+
+ONE_PROCESS = DistEnv(0, 1, 0, 1, "none", "cpu")
+
+
+@dataclass
+class Call:
+    """One operator call of a forward pass: its kind ("conv" or "pool") and what it was given."""
+
+    kind: str
+    x: np.ndarray
+    weight: np.ndarray | None = None
+    bias: np.ndarray | None = None
+    stride: int = 1
+    padding: int = 0
+
+
+@contextlib.contextmanager
+def recording(calls: list[Call]) -> Iterator[None]:
+    """Record every onednn.conv2d and onednn.max_pool2x2 call made inside (models.Conv2D and MaxPool2D call them)."""
+    conv2d, pool = onednn.conv2d, onednn.max_pool2x2
+
+    def conv_and_note(x, weight, stride, padding, bias=None):
+        b = None if bias is None else bias.numpy()
+        calls.append(Call("conv", x.numpy(), weight.numpy(), b, stride, padding))
+        return conv2d(x, weight, stride, padding, bias)
+
+    def pool_and_note(x):
+        calls.append(Call("pool", x.numpy()))
+        return pool(x)
+
+    onednn.conv2d, onednn.max_pool2x2 = conv_and_note, pool_and_note
+    try:
+        yield
+    finally:
+        onednn.conv2d, onednn.max_pool2x2 = conv2d, pool
+
+
+def results(call: Call, run: Callable, x: np.ndarray, grad: np.ndarray) -> list[np.ndarray]:
+    """run's output for the batch x, and the gradients of sum(output * grad) for x, the weight and the bias."""
+    inputs = [paddle.to_tensor(x, stop_gradient=False)]
+    inputs += [paddle.to_tensor(t, stop_gradient=False) for t in (call.weight, call.bias) if t is not None]
+    y = run(*inputs)
+    (y * paddle.to_tensor(grad)).sum().backward()
+    return [y.numpy()] + [t.grad.numpy() for t in inputs]
+
+
+def operators(call: Call, backend: str) -> Callable:
+    """The operator of the call by oneDNN (backend "onednn") or by Paddle."""
+    if call.kind == "pool":
+        return onednn.max_pool2x2 if backend == "onednn" else (lambda x: F.max_pool2d(x, 2, 2))
+    s, p = call.stride, call.padding
+    if backend == "onednn":
+        return lambda x, w, b=None: onednn.conv2d(x, w, s, p, b)
+    return lambda x, w, b=None: F.conv2d(x, w, b, stride=s, padding=p)
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
+
+
+def whole_against_parts(call: Call, backend: str, parts: int, grad: np.ndarray) -> list[float]:
+    """Relative differences of each result (output, input gradient, then the parameters' gradients)."""
+    run = operators(call, backend)
+    whole = results(call, run, call.x, grad)
+    pieces = [results(call, run, x, g) for x, g in zip(np.array_split(call.x, parts), np.array_split(grad, parts))]
+    joined = [np.concatenate([p[i] for p in pieces]) for i in (0, 1)]
+    summed = []
+    for i in range(2, len(whole)):
+        total = pieces[0][i].copy()
+        for p in pieces[1:]:
+            total += p[i]
+        summed.append(total)
+    return [relative(w, p) for w, p in zip(whole, joined + summed)]
+
+
+def operator_table(calls: list[Call], parts: int) -> list[str]:
+    names = ("output", "input gradient", "weight gradient", "bias gradient")
+    lines = ["| operator | result | oneDNN: whole vs parts | Paddle: whole vs parts | oneDNN vs Paddle |"]
+    lines.append("|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for k, call in enumerate(calls):
+        out_shape = results(call, operators(call, "paddle"), call.x[:1], np.zeros(1, "float32"))[0].shape[1:]
+        grad = rng.standard_normal((len(call.x), *out_shape)).astype("float32")
+        ours = whole_against_parts(call, "onednn", parts, grad)
+        theirs = whole_against_parts(call, "paddle", parts, grad)
+        against = [
+            relative(a, b)
+            for a, b in zip(
+                results(call, operators(call, "paddle"), call.x, grad),
+                results(call, operators(call, "onednn"), call.x, grad),
+            )
+        ]
+        what = f"{call.kind} {k}: {'x'.join(map(str, call.x.shape))}"
+        if call.weight is not None:
+            what += f", weight {'x'.join(map(str, call.weight.shape))}" + (", bias" if call.bias is not None else "")
+        for name, a, b, c in zip(names, ours, theirs, against):
+            lines.append(f"| {what} | {name} | {a:.1e} | {b:.1e} | {c:.1e} |")
+    return lines
+
+
+def model_gradients(state, images, labels, cfg, parts: int) -> dict[str, np.ndarray]:
+    """The gradient of the batch's mean loss, from the whole batch (parts=1) or from its parts added up, as
+    --accum-steps adds them (each part's mean loss divided by the number of parts)."""
+    model = state.model
+    drops = dropout.layers(model)
+    position = 0
+    for x, y in zip(np.array_split(images, parts), np.array_split(labels, parts)):
+        with dropout.placed(drops, dropout.Place(cfg.seed, state.step, position, len(labels))):
+            logits = model(paddle.to_tensor(x))
+        position += len(y)
+        loss = F.cross_entropy(logits, paddle.to_tensor(y), label_smoothing=cfg.label_smoothing)
+        (loss / parts if parts > 1 else loss).backward()
+    grads = {p.name: p.grad.numpy().copy() for p in model.parameters() if p.grad is not None}
+    state.opt.clear_grad()
+    return grads
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default="fashion-mnist", choices=config.DATASETS)
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--model", default="mnist_cnn", help="a model without batch norm (mnist_cnn, cifar_cnn)")
+    p.add_argument("--batch-size", type=int, default=96)
+    p.add_argument("--parts", type=int, default=3, help="micro-batches or workers the batch is split into")
+    p.add_argument("--steps", type=int, default=6, help="steps trained before the batch is examined")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    cpu.prefer_fast_kernels()
+    paddle.base.core.set_num_threads(args.threads)
+    onednn.set_openmp_threads(args.threads)
+    print(onednn.activate(onednn.prepare("auto"), "cpu"))
+    if not onednn.active():
+        print("the oneDNN operators are not active here: nothing to compare", file=sys.stderr)
+        return 1
+    flags = ["--model", args.model, "--dataset", args.dataset, "--seed", str(args.seed)]
+    flags += ["--batch-size", str(args.batch_size)] + (["--data-dir", args.data_dir] if args.data_dir else [])
+    cfg = config.resolve_for_world(config.parse_args(flags), 1)
+    ds = data.load_dataset(args.dataset, args.data_dir)
+    paddle.seed(args.seed)
+    per_epoch = len(ds.train) // cfg.batch_size
+    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, ONE_PROCESS, per_epoch)
+    epoch = data.TrainBatches(ds.train, ds, cfg.batch_size, 0, 1, cfg).epoch(0, 0, args.steps + 1)
+    batches = iter(epoch)
+    for _ in range(args.steps):
+        images, labels = next(batches)
+        engine.train_step(state, images, labels, cfg)
+        state.sched.step()
+    images, labels = next(batches)
+    epoch.close()
+    calls: list[Call] = []
+    with recording(calls), paddle.no_grad():
+        state.model(paddle.to_tensor(images))
+    print(f"{args.model} on {args.dataset} after {args.steps} steps: batch {len(labels)} against {args.parts} parts")
+    print("\n".join(operator_table(calls, args.parts)))
+    print("\n| backend | parameter | whole vs parts (largest difference / largest value) |\n|---|---|---|")
+    for backend in ("onednn", "paddle"):
+        if backend == "paddle":
+            onednn.deactivate()
+        whole = model_gradients(state, images, labels, cfg, 1)
+        split = model_gradients(state, images, labels, cfg, args.parts)
+        for name in whole:
+            print(f"| {backend} | {name} | {relative(whole[name], split[name]):.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
