@@ -270,7 +270,8 @@ def run_trainer(
     steps, window = plan
     out, log_dir = work / "trainer", work / "trainer-log"
     shutil.rmtree(log_dir, ignore_errors=True)  # the launcher appends to an existing workerlog.N
-    launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir)]
+    launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(workers)]
+    launch += ["--log_dir", str(log_dir)]
     cmd = (launch if workers > 1 else [sys.executable]) + [str(REPO / "train.py"), *data, "--model", model]
     cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
     cmd += ["--log-every", str(window), "--eval-limit", "100", "--output-dir", str(out), "--overwrite"]
@@ -279,6 +280,8 @@ def run_trainer(
     log = (log_dir / "workerlog.0").read_text() if workers > 1 else proc.stdout
     if proc.returncode != 0:
         raise SystemExit(f"the trainer failed ({model}, {workers}x{threads}):\n{log[-2000:]}{proc.stderr[-2000:]}")
+    if f"of world size {workers} " not in log:  # the cell's workers, not another number of them
+        raise SystemExit(f"the trainer did not run on {workers} worker(s) ({model}):\n{log[-2000:]}")
     used = re.search(r"convolutions: .*", log)
     if not used or not used.group().startswith("convolutions: oneDNN"):  # a fallback would be measured unawares
         said = used.group() if used else log[-500:]
