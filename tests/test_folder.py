@@ -815,3 +815,76 @@ def test_the_readme_folder_command_trains_cifar10_from_a_cold_cache(tmp_path):
     assert manifest["counts"] == {"train": 45000, "val": 5000, "test": 10000} and manifest["channels"] == 3
     assert not list(root.glob(f"{folder.CACHE_NAME}.*"))
     assert json.loads((out / "results.json").read_text())["test_count"] == 500
+
+
+def test_large_images_default_to_a_shorter_side_of_64_pixels_aspect_kept():
+    assert folder.default_size((4032, 3024)) == (85, 64)  # a phone's photo, landscape
+    assert folder.default_size((3024, 4032)) == (64, 85)  # and portrait
+    for small in [(28, 28), (32, 32), (64, 64), (100, 64), (256, 64)]:
+        assert folder.default_size(small) == small  # the size the folder has, as before
+    assert folder.default_size((128, 128)) == (64, 64)
+    assert folder.default_size((2000, 100)) == (256, 13)  # a strip: its longer side capped too
+
+
+def make_photos(root: Path, count: int = 8, size: tuple[int, int] = (4032, 3024)) -> Path:
+    """count JPEG files per class (the shipped MNIST's 3s and 7s) upscaled to size, by default a phone's photo."""
+    split = data.load_dataset("mnist").train
+    for label, name in ((3, "three"), (7, "seven")):
+        (root / "train" / name).mkdir(parents=True)
+        for k, row in enumerate(np.flatnonzero(split.labels == label)[:count]):
+            big = Image.fromarray(split.images[row, 0]).convert("RGB").resize(size, Image.BILINEAR)
+            big.save(root / "train" / name / f"IMG_{k:04d}.jpg", quality=90)
+    return root
+
+
+@pytest.mark.slow
+def test_phone_photos_train_at_a_sensible_size_with_the_default_command_and_say_so(tmp_path):
+    """16 photos of 4032x3024 without --image-size: decoded at 85x64 (a cache of kilobytes, not 36 MB an image),
+    a dense head of the same size as at 64 px, and a start-up line naming the size, why, and the flag."""
+    root = make_photos(tmp_path / "photos")
+    args = ["--dataset", "folder", "--data-dir", str(root), "--max-steps", "2", "--batch-size", "8"]
+    proc = run_single([*args, "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 0, explain(proc)
+    (said,) = [line for line in proc.stdout.splitlines() if "image size" in line]
+    assert said.endswith(
+        "image size 85x64: 4032x3024 is the most common size in train/ (14 of 14), scaled down to a shorter side "
+        "of at most 64 and a longer side of at most 256 pixels, aspect kept; --image-size WxH trains at another "
+        "size (time grows with the area)"
+    )
+    (cache,) = (root / folder.CACHE_NAME).iterdir()
+    assert cache.name.startswith("85x64-rgb") and np.load(cache / "train.npy").shape == (14, 3, 64, 85)
+    assert "dataset folder (3x64x85, 2 classes)" in proc.stdout
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["steps"] == 2
+
+
+@pytest.mark.slow
+def test_a_model_that_cannot_fit_the_memory_is_refused_before_it_is_built(tmp_path):
+    """MiniGoogLeNet on 4096x4096 images needs about 80 GiB an image: one line naming the need and the fixes, exit
+    2, no weights, where the kernel would otherwise kill the worker without a word."""
+    root = make_photos(tmp_path / "photos", count=3, size=(64, 64))
+    args = ["--dataset", "folder", "--data-dir", str(root), "--model", "minigooglenet", "--image-size", "4096"]
+    proc = run_single([*args, "--batch-size", "2", "--val-split", "0.2", "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = _error_lines(proc.stdout + proc.stderr)
+    assert re.search(
+        r"error: --model minigooglenet on 4096x4096 images, 2 a step per worker, needs about [\d.]+ GiB of memory; "
+        r"this machine has [\d.]+ GiB available: pass a smaller --image-size or --batch-size \(or --accum-steps\), "
+        r"or start fewer workers$",
+        line,
+    ), line
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o" / "model.pdparams").exists()
+    assert "model minigooglenet:" not in proc.stdout  # refused before the model was built and described
+
+
+@pytest.mark.slow
+def test_a_cache_larger_than_half_the_free_disk_is_refused_before_decoding(tmp_path):
+    root = make_photos(tmp_path / "photos", count=3, size=(64, 64))
+    args = ["--dataset", "folder", "--data-dir", str(root), "--image-size", "200000", "--val-split", "0.2"]
+    started = time.monotonic()
+    proc = run_single([*args, "--output-dir", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = _error_lines(proc.stdout + proc.stderr)
+    need = 6 * 3 * 200000**2 / 2**30  # 6 images of 3 x 200000 x 200000 bytes
+    assert f"the decoded images would take {need:.1f} GiB in " in line and "more than 50% of the " in line
+    assert line.endswith("GiB free there; pass a smaller --image-size, or free space"), line
+    assert not any((root / folder.CACHE_NAME).glob("*/*.npy")) and time.monotonic() - started < 60

@@ -298,13 +298,26 @@ def test_what_the_command_line_gives_is_not_stretched():
     assert given.epochs > config.RECIPES["mnist_cnn"].epochs and given.warmup_epochs == 1
 
 
-def test_the_head_scale_is_one_up_to_a_28_pixel_image_and_shrinks_with_the_area_above():
-    sizes = {16: 1.0, 28: 1.0, 32: 7 / 8, 64: 7 / 16, 128: 7 / 32}
+def test_the_head_scale_is_one_up_to_a_28_pixel_image_and_shrinks_with_the_pooled_map_above():
+    sizes = {16: 1.0, 28: 1.0, 32: 7 / 8, 64: 7 / 8, 128: 7 / 8}  # from 64 px the map is pooled to 8x8
     for side, factor in sizes.items():
         for name in ("mnist_cnn", "mnist_cnn_bn_fc"):
             assert build_model(name, 10, (1, side, side)).head_scale == pytest.approx(factor)
     assert build_model("cifar_cnn", 10, (3, 28, 28)).head_scale == 1.0
-    assert build_model("cifar_cnn", 10, (3, 64, 64)).head_scale == pytest.approx(math.sqrt(25 / 196))
+    assert build_model("cifar_cnn", 10, (3, 64, 64)).head_scale == pytest.approx(math.sqrt(25 / 49))
+
+
+@pytest.mark.parametrize("name", ["mnist_cnn", "mnist_cnn_bn_fc", "cifar_cnn"])
+def test_a_dense_head_stops_growing_with_the_image_above_32_pixels(name):
+    """Up to 32x32 the head takes the whole map (no pool at all: the recipes' figures stand); above, the map is
+    average-pooled to at most 8x8, so a phone's photo asks for as many weights as a 64x64 image."""
+    sizes = {side: count_parameters(build_model(name, 10, (3, side, side))) for side in (16, 28, 32, 64, 128, 512)}
+    assert sizes[16] < sizes[28] < sizes[32] and build_model(name, 10, (3, 32, 32)).head_pool is None
+    assert sizes[64] == sizes[128] == sizes[512] <= 2 * sizes[32]
+    photo = build_model(name, 10, (3, 3024, 4032))
+    assert count_parameters(photo) < 2 * sizes[32]
+    wide = build_model(name, 10, (3, 64, 85))  # a photo's aspect at the default folder size: windows of 2x3
+    assert list(wide(paddle.zeros([2, 3, 64, 85])).shape) == [2, 10]
 
 
 def _first_step_size(side: int, seed: int) -> float:

@@ -36,6 +36,10 @@ PROGRESS_S = 15.0  # how often a build logs how far it has got
 VAL_NAMES = ("val", "valid")
 CHUNK = 256  # files per task of the decoding pool
 SAMPLE = 1000  # files of train/ whose headers choose the size and channels of the first decoding pass
+# without --image-size, a folder of larger images trains at a shorter side of DEFAULT_SIDE pixels and a longer side
+# of at most LONGEST_SIDE (default_size); docs/training.md#any-image-size has the measurements behind them
+DEFAULT_SIDE, LONGEST_SIDE = 64, 256
+CACHE_SHARE = 0.5  # the most of the free disk space a new cache may take
 # what follows "<cache name>." in a build's temporary (tmp) or moved-aside (old) folder: the builder's pid and
 # host (none in the names of builds before hosts were named)
 LEFTOVER = re.compile(r"(?:tmp|old)(\d+)(?:@(.+))?")
@@ -299,7 +303,7 @@ def serves(manifest: dict, listing: Listing, request: Request) -> bool:
         return False
     if manifest.get("skip_bad_images") != request.skip_bad_images and manifest.get("skipped"):
         return False
-    size = image_size(request.image_size) or tuple(manifest["default_size"])
+    size = image_size(request.image_size) or default_size(tuple(manifest["default_size"]))
     channels = request.channels or manifest["default_channels"]
     return tuple(manifest["size"]) == tuple(size) and manifest["channels"] == channels
 
@@ -417,9 +421,25 @@ def _defaults(headers: dict, train: list[Entry]) -> tuple[tuple[int, int], int]:
     return _sizes(headers, train).most_common(1)[0][0], 1 if grey else 3
 
 
+def default_size(common: tuple[int, int]) -> tuple[int, int]:
+    """The (width, height) a folder trains at without --image-size, from its most common size: that size, or where
+    its shorter side is above DEFAULT_SIDE or its longer side above LONGEST_SIDE, that size scaled down until
+    neither is, aspect kept (sides rounded, at least 1).
+
+    The time of a step grows with the image's area; a phone's 4032x3024 photo taken as it is would decode into
+    36 MB of cache and need gigabytes of activations per image. 64x48 keeps a folder of a few thousand photos
+    training in minutes on two cores; --image-size takes any other size.
+    """
+    width, height = common
+    scale = min(1.0, DEFAULT_SIDE / min(width, height), LONGEST_SIDE / max(width, height))
+    if scale == 1.0:
+        return common
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
 def _choose(defaults: tuple, request: Request) -> tuple[tuple[int, int], int]:
     """((width, height), channels): as requested, the folder's defaults where the request leaves them open."""
-    return image_size(request.image_size) or defaults[0], request.channels or defaults[1]
+    return image_size(request.image_size) or default_size(defaults[0]), request.channels or defaults[1]
 
 
 def _log_choice(defaults: tuple, headers: dict, train: list[Entry], request: Request, log: logging.Logger) -> None:
@@ -427,7 +447,16 @@ def _log_choice(defaults: tuple, headers: dict, train: list[Entry], request: Req
     (w, h), channels = defaults
     if not request.image_size:
         counts = _sizes(headers, train)
-        log.info(f"image size {w}x{h}: the most common size in train/ ({counts[(w, h)]} of {sum(counts.values())})")
+        common = f"the most common size in train/ ({counts[(w, h)]} of {sum(counts.values())})"
+        width, height = default_size((w, h))
+        if (width, height) == (w, h):
+            log.info(f"image size {w}x{h}: {common}")
+        else:
+            log.info(
+                f"image size {width}x{height}: {w}x{h} is {common}, scaled down to a shorter side of at most "
+                f"{DEFAULT_SIDE} and a longer side of at most {LONGEST_SIDE} pixels, aspect kept; --image-size "
+                f"WxH trains at another size (time grows with the area)"
+            )
     if not request.channels:
         why = "every image is grey" if channels == 1 else "some images are in colour"
         log.info(f"channels {channels}: {why}")
@@ -546,11 +575,13 @@ def build(
 
 
 def _check_space(folder: Path, nbytes: int) -> None:
+    """Refuse a cache of nbytes that would take more than CACHE_SHARE of the free space where it goes, before a
+    single image is decoded (the size comes from the headers; checkpoints and logs need room too)."""
     free = shutil.disk_usage(folder).free
-    if nbytes > free:
+    if nbytes > CACHE_SHARE * free:
         raise DataError(
-            f"the decoded images need {nbytes / 2**30:.1f} GiB in {folder.parent}, {free / 2**30:.1f} GiB are free; "
-            "pass a smaller --image-size, or free space"
+            f"the decoded images would take {nbytes / 2**30:.1f} GiB in {folder.parent}, more than "
+            f"{CACHE_SHARE:.0%} of the {free / 2**30:.1f} GiB free there; pass a smaller --image-size, or free space"
         )
 
 

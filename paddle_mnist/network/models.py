@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
 from paddle_mnist.network.dropout import Dropout
+from paddle_mnist.network.heads import head_pool, head_scale, pooled, scaled
 from paddle_mnist.ops import onednn
 
 
@@ -141,7 +141,8 @@ class MnistCNN(nn.Layer):
         self.order = "plain" if plain else "relu_after_pool" if batch_norm else "bias_after_pool"
         self.features = nn.Sequential(*block(in_channels), *block(20))
         height, width = _sides(image_size)
-        features = 20 * (height // 4) * (width // 4)
+        self.head_pool, (rows, cols) = head_pool(height // 4, width // 4)
+        features = 20 * rows * cols
         self.head_scale = head_scale(features, 20 * 7 * 7)  # a 28x28 image's map: 20 channels of 7x7
         self.hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU()) if hidden else None
         self.fc = nn.Linear(hidden or features, num_classes)
@@ -154,27 +155,8 @@ class MnistCNN(nn.Layer):
             x = F.relu(f[7](f[5](f[4](F.relu(f[3](f[1](f[0](x))))))))
         else:
             x = f(x)
-        x = scaled(paddle.flatten(x, 1), self.head_scale)
+        x = scaled(paddle.flatten(pooled(x, self.head_pool), 1), self.head_scale)
         return self.fc(self.hidden(x) if self.hidden is not None else x)
-
-
-def head_scale(features: int, reference: int) -> float:
-    """The factor the flattened feature map is multiplied by before the first dense layer: sqrt(reference /
-    features) when the map holds more than `reference` values, the map of a 28x28 image (the size the recipes
-    were measured on), else 1.
-
-    Under SGD, one step changes a dense layer's outputs by about lr x (its inputs' squared norm) x the output
-    gradient, and that squared norm grows with the number of inputs, the image's area: at the same --lr the first
-    steps of a 64x64 run moved the loss 3x, and of a 128x128 run 6x, as much as a 28x28 run's, overshot, and could
-    leave the network at chance (docs/training.md#any-image-size). Scaled by this factor, the inputs' squared norm
-    is at most a 28x28 image's, at every size: one recipe serves them all. Smaller images already take smaller
-    steps and are left as they are, as is 28x28 (a factor of 1 is no operation at all).
-    """
-    return math.sqrt(reference / features) if features > reference else 1.0
-
-
-def scaled(x: paddle.Tensor, factor: float) -> paddle.Tensor:
-    return x if factor == 1.0 else x * factor
 
 
 def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
@@ -305,13 +287,15 @@ class CifarCNN(nn.Layer):
 
         self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
         height, width = (((side - 2) // 2 - 2) // 2 for side in _sides(image_size))
+        self.head_pool, (height, width) = head_pool(height, width)
         self.head_scale = head_scale(64 * height * width, 64 * 5 * 5)  # a 28x28 image's map: 64 channels of 5x5
         self.classifier = nn.Sequential(
             nn.Linear(64 * height * width, 512), nn.ReLU(), Dropout(0.5), nn.Linear(512, num_classes)
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return self.classifier(scaled(paddle.flatten(self.features(x), 1), self.head_scale))
+        x = pooled(self.features(x), self.head_pool)
+        return self.classifier(scaled(paddle.flatten(x, 1), self.head_scale))
 
 
 class CifarFast(nn.Layer):

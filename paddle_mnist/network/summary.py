@@ -80,3 +80,57 @@ def describe(model_name: str, num_classes: int, image_shape: tuple[int, int, int
         macs=sum(macs),
         table=printed.getvalue().strip("\n"),
     )
+
+
+PROBE_SIDE = 64  # the estimate runs the network on an image of at most this many pixels a side and scales up
+FLOAT_BYTES = 4
+WEIGHT_COPIES = 4  # the weights, their gradients, the momentum, and an EMA or the optimizer's temporaries
+# the layers' outputs of a batch, counted once (the gradients are freed as the backward pass goes), and Paddle, the
+# data and the operators' workspace before the first batch: measured peaks in docs/datasets.md#large-images
+ACTIVATION_COPIES = 1
+BASE_BYTES = 600 << 20
+
+
+def training_bytes(model_name: str, num_classes: int, image_shape: tuple[int, int, int], batch: int) -> int:
+    """About how much memory one worker needs to train the network on batches of `batch` images: the weights
+    with their gradients and optimizer state, and the layers' outputs for a batch.
+
+    The outputs are counted on a fresh copy run on one image brought down to at most PROBE_SIDE a side (aspect
+    kept) and scaled back up by the area, which is how convolutional maps grow; so a 4032x3024 photo is judged
+    without a forward pass at that size. An estimate to refuse what cannot fit before anything is allocated,
+    not a prediction of the peak (docs/datasets.md has it against measured peaks).
+    """
+    channels, height, width = image_shape
+    scale = min(1.0, PROBE_SIDE / max(height, width))
+    probe = (channels, max(32, round(height * scale)), max(32, round(width * scale)))
+    rng = paddle.get_rng_state()  # a fresh copy: the generator's state is left as it was
+    try:
+        weights = sum(int(p.size) for p in build_model(model_name, num_classes, image_shape).parameters())
+        net = build_model(model_name, num_classes, probe)
+        if hasattr(net, "order"):
+            net.order = "plain"
+        net.eval()  # the same output sizes as in training, without dropout's draws
+        outputs = []
+        leaves = [layer for layer in net.sublayers() if not layer.sublayers()]
+        count = lambda _layer, _inputs, out: outputs.append(int(out.size))  # noqa: E731
+        hooks = [layer.register_forward_post_hook(count) for layer in leaves]
+        with paddle.no_grad(), onednn.plain_layers():
+            net(paddle.zeros([1, *probe]))
+        for hook in hooks:
+            hook.remove()
+    finally:
+        paddle.set_rng_state(rng)
+    per_image = sum(outputs) * (height * width) / (probe[1] * probe[2])
+    return int(BASE_BYTES + FLOAT_BYTES * (WEIGHT_COPIES * weights + ACTIVATION_COPIES * batch * per_image))
+
+
+def available_bytes() -> int | None:
+    """The memory the system can give without swapping (MemAvailable of /proc/meminfo); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

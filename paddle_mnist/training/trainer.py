@@ -228,6 +228,26 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals
     return dataclasses.replace(cfg, **resolved), ds
 
 
+def _check_memory(cfg: Config, env: DistEnv, ds: data.Dataset) -> None:
+    """Refuse, on every rank alike, a model and batch whose training would not fit the memory of a worker's machine
+    (shared by its workers), before the model is built: the kernel would otherwise kill a worker without a line."""
+    micro = cfg.batch_size // (env.world_size * cfg.accum_steps)
+    need = summary.training_bytes(cfg.model, len(ds.classes), ds.image_shape, micro)
+    available = summary.available_bytes()
+    short = available is not None and need * env.local_size > available
+    if not distributed.all_reduce_max_values([short], env)[0]:
+        return
+    if not short:
+        raise ConfigError("another worker's machine has too little memory for this model and batch: see its log")
+    channels, height, width = ds.image_shape
+    workers = f" for each of its {env.local_size} workers" if env.local_size > 1 else ""
+    raise ConfigError(
+        f"--model {cfg.model} on {width}x{height} images, {micro} a step per worker, needs about "
+        f"{need / 2**30:.1f} GiB of memory{workers}; this machine has {available / 2**30:.1f} GiB available: pass a "
+        f"smaller --image-size or --batch-size (or --accum-steps), or start fewer workers"
+    )
+
+
 def _splits(cfg: Config, ds: data.Dataset, parts: int) -> tuple[data.Split, data.Split, data.Split]:
     """The splits the run uses; parts: the micro-batches a global batch splits into (workers x --accum-steps)."""
     train, val, test = ds.train.head(cfg.train_limit), ds.val.head(cfg.eval_limit), ds.test.head(cfg.eval_limit)
@@ -271,6 +291,7 @@ def train_and_evaluate(
     if env.world_size > 1:
         agreement.agree(agreement.data_facts(cfg, ds.train.images, ds.train.labels), env)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
+    _check_memory(cfg, env, ds)
     batches = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
     cfg = stretch_for_steps(cfg, len(batches))
     _log_start(cfg, env, log, ds, (train, val_split, test), threads, len(batches))
