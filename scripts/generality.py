@@ -139,15 +139,17 @@ def grid_flags(point: dict, default_epochs: int) -> list[str]:
     return flags
 
 
-def train(folder: Path, cell: Cell, seed: int, flags: list[str], work: Path, workers: int) -> dict:
-    """One run of the README's folder command (with `flags` added), as users start it; its figures."""
+def train(folder: Path, cell: Cell, seed: int, flags: list[str], work: Path, workers: int, sized: bool = True) -> dict:
+    """One run of the README's folder command (with `flags` added), as users start it; its figures. sized: with
+    --image-size the cell's size, else at the size the folder's default rule gives."""
     out, log_dir = work / "run", work / "run-log"
     for old in (out, log_dir):
         shutil.rmtree(old, ignore_errors=True)
     launch = [sys.executable] if workers == 1 else [sys.executable, "-m", "paddle.distributed.launch"]
     launch += [] if workers == 1 else ["--nproc_per_node", str(workers), "--log_dir", str(log_dir)]
     cmd = [*launch, str(REPO / "train.py"), "--dataset", "folder", "--data-dir", str(folder)]
-    cmd += ["--image-size", str(cell.size), "--augment", "--output-dir", str(out), "--seed", str(seed), *flags]
+    cmd += ["--image-size", str(cell.size)] if sized else []
+    cmd += ["--augment", "--output-dir", str(out), "--seed", str(seed), *flags]
     started = time.perf_counter()
     proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -163,6 +165,7 @@ def train(folder: Path, cell: Cell, seed: int, flags: list[str], work: Path, wor
         "test_acc": results.get("test_acc"),
         "steps": results.get("steps"),
         "epochs": used.get("epochs"),
+        "image_size": used.get("image_size"),
         "wall_s": round(wall, 1),
         "last_line": last[-1].split("] ", 1)[-1][:300] if last else proc.stderr[-300:],
     }
@@ -219,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--json", type=Path, default=Path("generality.jsonl"), help="rows are appended here as they end")
     p.add_argument("--table-only", action="store_true", help="print the table of the rows in --json and stop")
+    p.add_argument(
+        "--default-size", action="store_true", help="leave out --image-size: train at the folder's default size"
+    )
     args = p.parse_args(argv)
     chosen = [c for c in cells() if not args.cells or c.name in args.cells]
     done = [json.loads(line) for line in args.json.read_text().splitlines()] if args.json.is_file() else []
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not first or not first[0]["epochs"]:
                     continue  # the grid is set around the default's epochs
                 flags = grid_flags(GRID[kind], first[0]["epochs"])
-            row = {**train(folder, cell, seed, flags, args.work, args.workers), "kind": kind}
+            row = {**train(folder, cell, seed, flags, args.work, args.workers, not args.default_size), "kind": kind}
             done.append(row)
             with args.json.open("a") as f:
                 f.write(json.dumps(row) + "\n")
