@@ -25,6 +25,7 @@ from PIL import Image
 
 from paddle_mnist import config
 from paddle_mnist.datasets import data
+from paddle_mnist.network import summary
 from paddle_mnist.network.models import MODELS, MnistCNN, build_model, count_parameters
 from paddle_mnist.runtime.distributed import DistEnv, convert_sync_bn
 from paddle_mnist.training import engine
@@ -342,3 +343,28 @@ def test_the_first_step_does_not_grow_with_the_image():
     base = np.mean([_first_step_size(28, seed) for seed in seeds])
     for side in (64, 128):
         assert np.mean([_first_step_size(side, seed) for seed in seeds]) < 1.5 * base, side
+
+
+def test_the_memory_estimate_leaves_the_trained_models_parameter_names_and_random_state_as_they_were():
+    """The trainer estimates before it builds the model: the optimizer's saved state is keyed by parameter names,
+    and every rank's first weights come from the generator, so neither may move."""
+    with paddle.utils.unique_name.guard():
+        paddle.seed(3)
+        alone = build_model("mnist_cnn_bn_fc", 10, (1, 28, 28))
+    with paddle.utils.unique_name.guard():
+        paddle.seed(3)
+        assert summary.training_bytes("mnist_cnn_bn_fc", 10, (1, 28, 28), 64) > summary.BASE_BYTES
+        after = build_model("mnist_cnn_bn_fc", 10, (1, 28, 28))
+    assert [p.name for p in after.parameters()] == [p.name for p in alone.parameters()]
+    for a, b in zip(after.parameters(), alone.parameters()):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_the_memory_estimate_grows_with_the_batch_and_the_area():
+    def gib(height: int, width: int, batch: int) -> float:
+        return summary.training_bytes("mnist_cnn_bn_fc", 10, (3, height, width), batch) / 2**30
+
+    assert gib(28, 28, 64) < 1.0 < 30 < gib(3024, 4032, 8)  # the default run; 8 phone photos at full size
+    batch = gib(256, 256, 64) - gib(256, 256, 0)
+    assert gib(256, 256, 32) - gib(256, 256, 0) == pytest.approx(batch / 2, rel=1e-3)
+    assert gib(128, 128, 64) - gib(128, 128, 0) == pytest.approx(batch / 4, rel=1e-3)  # a quarter of the area

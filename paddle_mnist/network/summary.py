@@ -103,10 +103,11 @@ def training_bytes(model_name: str, num_classes: int, image_shape: tuple[int, in
     channels, height, width = image_shape
     scale = min(1.0, PROBE_SIDE / max(height, width))
     probe = (channels, max(32, round(height * scale)), max(32, round(width * scale)))
-    rng = paddle.get_rng_state()  # a fresh copy: the generator's state is left as it was
-    try:
-        weights = sum(int(p.size) for p in build_model(model_name, num_classes, image_shape).parameters())
-        net = build_model(model_name, num_classes, probe)
+    rng = paddle.get_rng_state()  # a fresh copy: the generator's state is left as it was, and the parameters'
+    try:  # names too (the trained model's are built later; its optimizer's state is saved under them)
+        with paddle.utils.unique_name.guard():
+            weights = sum(int(p.size) for p in build_model(model_name, num_classes, image_shape).parameters())
+            net = build_model(model_name, num_classes, probe)
         if hasattr(net, "order"):
             net.order = "plain"
         net.eval()  # the same output sizes as in training, without dropout's draws
