@@ -48,15 +48,19 @@ def _log() -> logging.Logger:
     return log
 
 
-def load_source(cfg: Config, data_dir: str | None) -> Source:
+def load_source(cfg: Config, data_dir: str | None, out: Path) -> Source:
     """The images to score: the run's own dataset (data_dir None), or data_dir read by the trainer's own loaders:
-    a class folder (DIR/train/<class>/, as --dataset folder), decoded to the run's image size and channels through
-    the folder's cache, or else files in the run's built-in format. DataError when they cannot be read."""
+        a class folder (DIR/train/<class>/, as --dataset folder), decoded to the run's image size and channels through
+        the folder's cache, or else files in the run's built-in format. DataError when they cannot be read or their
+    classes are not the run's (a folder's checked before it is decoded)."""
     where = data_dir or cfg.data_dir
     if cfg.dataset != FOLDER and not (data_dir and (Path(data_dir) / "train").is_dir()):
         ds = data.load_dataset(cfg.dataset, where)
-        return Source(ds, where or str(REPO_DATA / cfg.dataset))
+        shown = where or str(REPO_DATA / cfg.dataset)
+        check_classes(ds.classes, cfg, shown, out)
+        return Source(ds, shown)
     listing = folder.list_folder(where)
+    check_classes(listing.classes, cfg, str(listing.root), out)
     channels, height, width = image_shape(cfg)
     request = folder.Request(f"{width}x{height}", channels, cfg.val_split, cfg.skip_bad_images)
     cache = folder.ensure_cache(listing, request, folder.default_cache_dir(listing.root), _log())
@@ -65,12 +69,12 @@ def load_source(cfg: Config, data_dir: str | None) -> Source:
     return Source(ds, str(listing.root), note)
 
 
-def check_classes(ds: data.Dataset, cfg: Config, where: str, out: Path) -> None:
-    """The folder's labels must mean what the run's outputs mean: the same class names in the same order."""
-    if tuple(ds.classes) == tuple(cfg.classes):
+def check_classes(classes: tuple[str, ...], cfg: Config, where: str, out: Path) -> None:
+    """The data's labels must mean what the run's outputs mean: the same class names in the same order."""
+    if tuple(classes) == tuple(cfg.classes):
         return
-    missing = [c for c in cfg.classes if c not in ds.classes]
-    extra = [c for c in ds.classes if c not in cfg.classes]
+    missing = [c for c in cfg.classes if c not in classes]
+    extra = [c for c in classes if c not in cfg.classes]
     differ = "; ".join(
         part
         for part in (
@@ -92,7 +96,7 @@ def normalised_as_run(ds: data.Dataset, cfg: Config, out: Path) -> data.Dataset:
         meta = json.loads((out / META).read_text())
         mean, std = tuple(meta["mean"]), tuple(meta["std"])
     except (OSError, ValueError, KeyError):
-        run = load_source(cfg, None).ds
+        run = load_source(cfg, None, out).ds
         mean, std = run.mean, run.std
     return dataclasses.replace(ds, mean=mean, std=std)
 
@@ -132,8 +136,7 @@ def evaluate_run(out: Path, data_dir: str | None, split: str, which: str, dest: 
     one = DistEnv(0, 1, 0, 1, "none", "cpu")  # this command is one process: every image is in its one shard
     net = checkpoint.load_model(out, which)  # first: says in one line when out is not a run's output directory
     cfg = load_config(out / CONFIG_FILE)
-    source = load_source(cfg, data_dir)
-    check_classes(source.ds, cfg, source.where, out)
+    source = load_source(cfg, data_dir, out)
     ds = normalised_as_run(source.ds, cfg, out) if data_dir else source.ds
     # the run's own val and test splits as it scored them (--eval-limit); another folder's whole
     images = pick_split(dataclasses.replace(source, ds=ds), split, 0 if data_dir else cfg.eval_limit)

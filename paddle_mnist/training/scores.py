@@ -103,8 +103,8 @@ def report(
 
 
 def worst_classes(rep: dict, n: int = 3) -> list[dict]:
-    """The n classes with images whose recall is lowest (ties: the lower label first)."""
-    rows = [r for r in rep["per_class"] if r["count"]]
+    """The n classes of lowest recall among those with an image wrong (ties: the lower label first)."""
+    rows = [r for r in rep["per_class"] if r["count"] and r["correct"] < r["count"]]
     return sorted(rows, key=lambda r: (r["recall"], r["label"]))[:n]
 
 
@@ -123,7 +123,7 @@ def summary(rep: dict) -> list[str]:
         f"{r['class']} (recall {_pct(r['recall'])}, precision {_pct(r['precision'])}, {r['count']} images)"
         for r in worst_classes(rep)
     ]
-    lines.append("worst classes: " + "; ".join(worst))
+    lines.append("worst classes: " + ("; ".join(worst) if worst else "none, every image right"))
     pairs = [f"{p['true_class']} -> {p['predicted_class']} ({p['count']})" for p in rep["confused_pairs"][:5]]
     lines.append("most confused (true -> predicted): " + ("; ".join(pairs) if pairs else "none, every image right"))
     return lines
