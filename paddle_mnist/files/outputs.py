@@ -12,12 +12,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import paddle
 
 from paddle_mnist.config import CONFIG_FILE, Config
 from paddle_mnist.datasets import data
 from paddle_mnist.deploy import export
-from paddle_mnist.files import atomic, checkpoint, dashboard, events, plots
+from paddle_mnist.files import atomic, checkpoint, dashboard, events, plots, report
 from paddle_mnist.runtime.distributed import DistEnv
 
 METRICS = plots.METRICS_FILE
@@ -26,6 +27,7 @@ RESULTS = "results.json"
 MODEL_SUMMARY = "model_summary.txt"  # paddle.summary's table of layers, input and output shapes and parameters
 WEIGHTS = checkpoint.WEIGHTS  # the last weights
 BEST_WEIGHTS = checkpoint.BEST_WEIGHTS  # the weights of the epoch with the highest validation accuracy
+REPORT_FILES = (report.REPORT_FILE, report.EXAMPLES_FILE, report.CONFUSION_FILE, report.PAIRS_FILE)
 RESULT_FILES = (METRICS, WEIGHTS, BEST_WEIGHTS, "inference_meta.json", checkpoint.CKPT_DIR)
 
 
@@ -69,6 +71,7 @@ class RunFiles:
         self.enabled = env.is_main
         self.cfg = cfg
         self._plotter: subprocess.Popen | None = None
+        self._report_plotter: subprocess.Popen | None = None  # the report's pictures, drawn by a child
         self._drawn_at = -float("inf")
         self._rows = 0
         self.dashboard: dashboard.Dashboard | None = None  # --visualdl's writer, opened by start()
@@ -131,9 +134,10 @@ class RunFiles:
             dashboard.remove_logs(self.out)
             best = self.out / BEST_WEIGHTS
             earlier = [best, checkpoint.digest_path(best), *self.store.list()]
-            for old in [*earlier, *self.out.glob("inference*")]:
+            reports = [self.out / report.FOLDER / name for name in REPORT_FILES]
+            for old in [*earlier, *self.out.glob("inference*"), *reports]:
                 if not old.is_dir():  # a user's folder is left alone
-                    old.unlink(missing_ok=True)  # an earlier run's export must not pass for this run's
+                    old.unlink(missing_ok=True)  # an earlier run's export or report must not pass for this run's
         elif metrics.is_file():
             rows = [r for r in metrics.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if json.loads(r)["epoch"] <= resumed_epoch]
@@ -175,16 +179,29 @@ class RunFiles:
         return subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
     def finish(self) -> None:
-        """Close the dashboard; wait for a drawing under way, then draw the final curves."""
+        """Close the dashboard; wait for a drawing under way, then draw the final curves; wait for the report's."""
         if self._listening:
             self._listening[0].removeHandler(self._listening[1])
         if self.dashboard:
             self.dashboard.close()
-        if not self.enabled or not self._rows:
+        if self.enabled and self._rows:
+            if self._plotter is not None:
+                self._plotter.wait()
+            self._draw().wait()
+        if self._report_plotter is not None:
+            self._report_plotter.wait()
+
+    def write_report(self, contents: dict, images: dict[int, np.ndarray]) -> None:
+        """OUTPUT_DIR/report/: report.json and the example images, then its pictures drawn by a child process at
+        the lowest priority (as the curves are), which finish() waits for."""
+        if not self.enabled or self.failure:
             return
-        if self._plotter is not None:
-            self._plotter.wait()
-        self._draw().wait()
+        folder = self.out / report.FOLDER
+        with self._writing(folder / report.REPORT_FILE):
+            report.write(folder, contents, images)
+        if not self.failure:
+            cmd = [sys.executable, report.__file__, "--low-priority", str(folder)]
+            self._report_plotter = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
     def save_checkpoint(self, state: dict) -> None:
         if not self.enabled or self.failure:

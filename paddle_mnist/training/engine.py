@@ -7,7 +7,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -24,10 +24,11 @@ from paddle_mnist.runtime.distributed import (
     all_reduce_max,
     all_reduce_sum,
     device_sync,
+    gather_objects,
     gradient_sync,
     unwrap,
 )
-from paddle_mnist.training import timing
+from paddle_mnist.training import scores, timing
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,11 @@ class EvalStats:
     loss: float
     acc: float
     count: int
+    # all workers' int64 (classes, classes) counts (row: true class), whose trace over count is acc
+    confusion: np.ndarray | None = field(default=None, compare=False, repr=False)
+    top_k: int | None = field(default=None, compare=False)  # images with the true class in the top scores.TOP_K
+    # this worker's own: the first split indices of each confused (true, predicted) pair in its shard
+    examples: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 class Epoch:
@@ -300,8 +306,28 @@ def evaluate(
     finally:
         for hook in hooks:
             hook.remove()
-    correct, loss_sum, count = all_reduce_sum(sums, env)
-    return EvalStats(loss=loss_sum / count, acc=correct / count, count=int(count))
+    # one all-reduce, exact: float64 holds every count below 2**53
+    totals = all_reduce_sum(np.concatenate([sums.sums, [sums.top_k], sums.confusion.ravel()]), env)
+    correct, loss_sum, count = totals[:3]
+    k = len(ds.classes)
+    return EvalStats(
+        loss=loss_sum / count,
+        acc=correct / count,
+        count=int(count),
+        confusion=totals[4:].astype(np.int64).reshape(k, k),
+        top_k=int(totals[3]) if k > scores.TOP_K else None,
+        examples=sums.examples,
+    )
+
+
+def confused_examples(stats: EvalStats, pairs: list[tuple[int, int, int]], env: DistEnv) -> dict:
+    """{(true, predicted): the split indices of the pair's first scores.EXAMPLES images} for pairs (every rank's
+    the same, from the all-reduced matrix): each rank sends only its own first few of these pairs. Shards are
+    contiguous and in rank order, so the first few over ranks in turn are the split's first few. Every rank must
+    call it."""
+    mine = [stats.examples.get((t, p), []) for t, p, _ in pairs]
+    by_rank = gather_objects(mine, env)
+    return {(t, p): [i for r in by_rank for i in r[n]][: scores.EXAMPLES] for n, (t, p, _) in enumerate(pairs)}
 
 
 def tta_logits(net: paddle.nn.Layer, x: paddle.Tensor, shift: bool) -> paddle.Tensor:
@@ -319,19 +345,32 @@ def tta_logits(net: paddle.nn.Layer, x: paddle.Tensor, shift: bool) -> paddle.Te
     return (pair + moved) / 2
 
 
+@dataclass(frozen=True)
+class ShardScore:
+    sums: np.ndarray  # (correct, summed loss, count)
+    confusion: np.ndarray  # int64 (classes, classes)
+    top_k: int  # images whose true class is among the scores.TOP_K highest outputs
+    examples: dict  # (true, predicted) -> the pair's first split indices in the shard (scores.first_wrong)
+
+
 def _score_shard(
     net: paddle.nn.Layer, split: data.Split, ds: data.Dataset, cfg: Config, shard: range, tta: bool = False
-) -> np.ndarray:
-    """(correct, summed loss, count) over the shard's images, batch by batch."""
-    sums = np.zeros(3)
+) -> ShardScore:
+    """The shard's figures, batch by batch: each image's prediction is counted once, into the sums and the matrix."""
+    k = len(ds.classes)
+    sums, matrix, top, examples = np.zeros(3), np.zeros((k, k), np.int64), 0, {}
     for lo in range(shard.start, shard.stop, cfg.eval_batch_size):
         idx = np.arange(lo, min(lo + cfg.eval_batch_size, shard.stop))
         images, labels = next(data.batches(split, ds, [idx]))
         x, y = paddle.to_tensor(images), paddle.to_tensor(labels)
         logits = tta_logits(net, x, cfg.tta_shift) if tta and cfg.tta else net(x)
+        predicted = logits.argmax(axis=1).numpy()
         sums += (
-            float((logits.argmax(axis=1) == y).astype("int64").sum()),
+            float((predicted == labels).sum()),
             float(F.cross_entropy(logits, y, reduction="sum")),
             len(idx),
         )
-    return sums
+        matrix += scores.confusion(labels, predicted, k)
+        top += scores.top_k_hits(logits.numpy(), labels) if k > scores.TOP_K else 0
+        scores.first_wrong(labels, predicted, idx, examples)
+    return ShardScore(sums, matrix, top, examples)

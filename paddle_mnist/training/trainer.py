@@ -14,12 +14,14 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import paddle
 
 from paddle_mnist.config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_each_epoch
 from paddle_mnist.datasets import augment, data, folder
+from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
-from paddle_mnist.files import checkpoint
+from paddle_mnist.files import checkpoint, report
 from paddle_mnist.files.checkpoint import CheckpointStore
 from paddle_mnist.files.log import memory_mb
 from paddle_mnist.files.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
@@ -30,7 +32,7 @@ from paddle_mnist.runtime import cpu, distributed, launch, waiting
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, signal_name
-from paddle_mnist.training import agreement, chance, engine
+from paddle_mnist.training import agreement, chance, engine, scores
 from paddle_mnist.training.session import Session, check_best
 from paddle_mnist.training.state import TrainState
 
@@ -388,6 +390,7 @@ def _finish(
         **verdict.fields(),
     }
     files.write_json(RESULTS, result)
+    _write_report(cfg, env, log, files, ds, test, final)
     session.meet(state.step)  # training is over: a signal from here on lets the run finish; a failed write stops it
     log.info(f"parameters sha256 {checkpoint.digest(net)}")
     log.info(
@@ -403,6 +406,30 @@ def _finish(
     if verdict.message:
         raise chance.LearnedNothing(verdict.message)
     return result
+
+
+def _write_report(
+    cfg: Config,
+    env: DistEnv,
+    log: logging.Logger,
+    files: RunFiles,
+    ds: data.Dataset,
+    test: data.Split,
+    final: engine.EvalStats,
+) -> None:
+    """OUTPUT_DIR/report/: the test score by class, from the final evaluation's confusion matrix (every rank's
+    share, all-reduced), with the first images of the most confused pairs (each rank sends its first few of those
+    pairs). Every rank takes part; rank 0 writes."""
+    pairs = scores.worst_pairs(final.confusion)
+    examples = engine.confused_examples(final, pairs, env)
+    about = {"split": "test", "dataset": cfg.dataset, "data": cfg.data_dir or str(REPO_DATA / cfg.dataset)}
+    contents = scores.report(final.confusion, ds.classes, final.top_k, examples, {**about, "weights": WEIGHTS})
+    if env.is_main:
+        files.write_report(contents, {i: np.asarray(test.images[i]) for found in examples.values() for i in found})
+    where = Path(cfg.output_dir) / report.FOLDER
+    log.info(f"test report in {where} ({report.REPORT_FILE}, {report.CONFUSION_FILE}, {report.PAIRS_FILE})")
+    for line in scores.summary(contents):
+        log.info(f"test report: {line}")
 
 
 class ExportFailed(RuntimeError):
