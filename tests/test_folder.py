@@ -858,22 +858,27 @@ def test_phone_photos_train_at_a_sensible_size_with_the_default_command_and_say_
 
 
 @pytest.mark.slow
-def test_a_model_that_cannot_fit_the_memory_is_refused_before_it_is_built(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_model_that_cannot_fit_the_memory_is_refused_before_it_is_built(tmp_path, workers):
     """MiniGoogLeNet on 4096x4096 images needs about 80 GiB an image: one line naming the need and the fixes, exit
-    2, no weights, where the kernel would otherwise kill the worker without a word."""
+    2 on every worker, no weights, where the kernel would otherwise kill a worker without a word."""
     root = make_photos(tmp_path / "photos", count=3, size=(64, 64))
     args = ["--dataset", "folder", "--data-dir", str(root), "--model", "minigooglenet", "--image-size", "4096"]
-    proc = run_single([*args, "--batch-size", "2", "--val-split", "0.2", "--output-dir", str(tmp_path / "o")], tmp_path)
-    assert proc.returncode == 2, explain(proc)
-    (line,) = _error_lines(proc.stdout + proc.stderr)
-    assert re.search(
-        r"error: --model minigooglenet on 4096x4096 images, 2 a step per worker, needs about [\d.]+ GiB of memory; "
-        r"this machine has [\d.]+ GiB available: pass a smaller --image-size or --batch-size \(or --accum-steps\), "
-        r"or start fewer workers$",
-        line,
-    ), line
+    args += ["--batch-size", str(2 * workers), "--val-split", "0.2", "--output-dir", str(tmp_path / "o")]
+    log_dir = tmp_path / "log"
+    proc = run_single(args, tmp_path) if workers == 1 else run_launch(args, tmp_path, log_dir)
+    assert proc.returncode == 2, explain(proc, log_dir if workers > 1 else None)
+    for rank in range(workers):
+        text = proc.stdout + proc.stderr if workers == 1 else worker_log(log_dir, rank)
+        (line,) = _error_lines(text)
+        assert re.search(
+            r"error: --model minigooglenet on 4096x4096 images, 2 a step per worker, needs about [\d.]+ GiB of "
+            r"memory( for each of its 2 workers)?; this machine has [\d.]+ GiB available: pass a smaller "
+            r"--image-size or --batch-size \(or --accum-steps\), or start fewer workers$",
+            line,
+        ), line
+        assert "model minigooglenet:" not in text  # refused before the model was built and described
     assert "Traceback" not in proc.stderr and not (tmp_path / "o" / "model.pdparams").exists()
-    assert "model minigooglenet:" not in proc.stdout  # refused before the model was built and described
 
 
 @pytest.mark.slow
