@@ -137,7 +137,7 @@ class Config:
     timing_every: int = 25  # time the phases of every Nth step (0: off)
     profile_steps: str = ""  # "A:B": record optimizer steps A to B with paddle.profiler ("": off)
     # --dataset folder only (docs/datasets.md, "Your own images")
-    image_size: str = ""  # "W" or "WxH"; "": the most common size in train/ (the run records the size it used)
+    image_size: str = ""  # "W" or "WxH"; "": folder.default_size of the most common size (the run records it)
     channels: int = 0  # 1 or 3; 0: 1 when every training image is grey, else 3 (the run records the choice)
     val_split: float = 0.1  # share of each class of train/ held out for validation when there is no val/
     flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
@@ -403,7 +403,8 @@ def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
         "--image-size",
         default=d.image_size,
         metavar="W[xH]",
-        help="resize every image to W x W or W x H pixels ('': the most common size in train/)",
+        help="resize every image to W x W or W x H pixels ('': the most common size in train/, scaled down to a "
+        "shorter side of 64 and a longer side of 256 where larger, aspect kept)",
     )
     folder.add_argument(
         "--channels",
@@ -435,7 +436,7 @@ def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
 
 
 def image_size(text: str) -> tuple[int, int] | None:
-    """--image-size "W" or "WxH" as (width, height); None for "" (the folder's most common size)."""
+    """--image-size "W" or "WxH" as (width, height); None for "" (the folder's default size)."""
     if not text:
         return None
     try:
