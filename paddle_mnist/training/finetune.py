@@ -215,12 +215,17 @@ def describe(done: Loaded, cfg: Config) -> str:
 
 
 def rates_text(cfg: Config) -> str:
+    """How the loaded layers train, and whether that is the fine-tuning default."""
+    if cfg.freeze_epochs:
+        how = f"the loaded layers stay as loaded for {cfg.freeze_epochs} epochs, then train at {cfg.init_lr_scale:g} x"
+    elif cfg.init_lr_scale != 1:
+        how = f"the loaded layers train at {cfg.init_lr_scale:g} x"
+    else:
+        how = "every layer trains at"
     default = (cfg.init_lr_scale, cfg.freeze_epochs) == (FINETUNE_LR_SCALE, FINETUNE_FREEZE_EPOCHS)
-    frozen = f"stay as loaded for {cfg.freeze_epochs} epochs, then " if cfg.freeze_epochs else ""
-    recipe = " (the fine-tuning default" if default else " (--init-lr-scale, --freeze-epochs"
+    which = "the fine-tuning default, docs/training.md#fine-tuning" if default else "as given"
     return (
-        f"the loaded layers {frozen}train at {cfg.init_lr_scale:g} x the learning rate, the new ones at the full "
-        f"rate{recipe}: --init-lr-scale {cfg.init_lr_scale:g} --freeze-epochs {cfg.freeze_epochs})"
+        f"{how} the learning rate ({which}: --init-lr-scale {cfg.init_lr_scale:g} --freeze-epochs {cfg.freeze_epochs})"
     )
 
 
