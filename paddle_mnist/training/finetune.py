@@ -147,7 +147,10 @@ def load(net: paddle.nn.Layer, path: Path, classes: tuple, source_classes: tuple
             own[name].set_value(value.numpy() if isinstance(value, paddle.Tensor) else np.asarray(value))
     note = None
     if renew and any(n in state and list(state[n].shape) == list(own[n].shape) for n in classifier(net)):
-        note = f"the classifier: the run it came from had other classes, {', '.join(source_classes)}"
+        shown = ", ".join(source_classes[:5]) + (
+            f", ... ({len(source_classes)} in all)" if len(source_classes) > 5 else ""
+        )
+        note = f"the classifier: the run it came from had other classes, {shown}"
     size = lambda names: sum(int(np.prod(own[n].shape)) for n in names)  # noqa: E731
     return Loaded(
         source=str(path),
