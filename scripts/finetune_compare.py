@@ -9,7 +9,8 @@ five (dog, frog, horse, ship, truck) with 200 training and 50 validation images 
 in file-name order) and all 5,000 of their test images. `run` trains source/ once (--source-epochs, seed 1), then
 trains target/ on each seed from scratch and from the source run's weights (--init-from, under each --arms
 recipe), one process each, and prints a Markdown table: test accuracy per seed, their mean, and the median
-wall time. Rows are appended to DIR/runs.jsonl as they end; a second `run` skips the runs it finds there.
+wall time. Rows are appended to DIR/runs.jsonl as they end; a second `run` skips the runs it finds there, and
+`table` prints every model's rows.
 """
 
 from __future__ import annotations
@@ -97,13 +98,14 @@ def run(folder: Path, seeds: list[int], arms: list[str], model: str, source_epoc
             with table.open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
-    print(markdown(rows, model, arms, seeds))
+    print(markdown([r for r in rows if r["model"] == model and r["arm"] in arms], seeds))
 
 
-def markdown(rows: list[dict], model: str, arms: list[str], seeds: list[int]) -> str:
-    lines = ["| start | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | median time | steps |"]
-    lines.append("|---" * (len(seeds) + 4) + "|")
-    for arm in arms:
+def markdown(rows: list[dict], seeds: list[int]) -> str:
+    """The rows as a Markdown table: a row per model and arm, in the order they were first run."""
+    lines = ["| model | start | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | median time | steps |"]
+    lines.append("|---" * (len(seeds) + 5) + "|")
+    for model, arm in dict.fromkeys((r["model"], r["arm"]) for r in rows):
         found = {r["seed"]: r for r in rows if r["model"] == model and r["arm"] == arm and r["seed"] in seeds}
         if not found:
             continue
@@ -111,7 +113,8 @@ def markdown(rows: list[dict], model: str, arms: list[str], seeds: list[int]) ->
         cells = [f"{100 * found[s]['acc']:.1f}%" if s in found else "-" for s in seeds]
         time_s = statistics.median(r["time_s"] for r in found.values())
         steps = next(iter(found.values()))["steps"]
-        lines.append(f"| {arm} | {' | '.join(cells)} | {100 * statistics.mean(accs):.1f}% | {time_s:.0f} s | {steps} |")
+        mean = 100 * statistics.mean(accs)
+        lines.append(f"| `{model}` | {arm} | {' | '.join(cells)} | {mean:.1f}% | {time_s:.0f} s | {steps} |")
     return "\n".join(lines)
 
 
@@ -127,11 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("--arms", nargs="+", default=["scratch", "init"], choices=tuple(ARMS))
     go.add_argument("--model", default="mnist_cnn_bn_fc")
     go.add_argument("--source-epochs", type=int, default=4, help="epochs of the source run (25,000 images)")
+    table = sub.add_parser("table", help="the table of every run in DIR/runs.jsonl")
+    table.add_argument("folder", type=Path)
+    table.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     args = p.parse_args(argv)
     if args.command == "prepare":
         prepare(args.archive, args.folder)
-    else:
+    elif args.command == "run":
         run(args.folder, args.seeds, args.arms, args.model, args.source_epochs)
+    else:
+        rows = [json.loads(line) for line in (args.folder / "runs.jsonl").read_text().splitlines()]
+        print(markdown(rows, args.seeds))
 
 
 if __name__ == "__main__":
