@@ -3,6 +3,8 @@ refusals in one line, and real runs (two workers, a resume, resnet18 from a weig
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import shutil
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from paddle_mnist.files import checkpoint
 from paddle_mnist.files.checkpoint import CheckpointError
 from paddle_mnist.network import backbones
 from paddle_mnist.network.models import build_model
+from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import finetune
 
 # ---- what fits, and the refusals ----
@@ -123,6 +126,24 @@ def test_the_imagenet_urls_are_paddles_own():
     for model, (url, md5) in backbones.IMAGENET_WEIGHTS.items():
         assert url.startswith("https://paddle-hapi.bj.bcebos.com/models/") and url.endswith(".pdparams")
         assert len(md5) == 32 and finetune.cached_path(model).name == url.rsplit("/", 1)[-1]
+
+
+def test_imagenet_weights_are_read_from_paddles_cache_when_whole(tmp_path, monkeypatch):
+    """A file in Paddle's weights folder with the MD5 Paddle's table gives is used as it is, nothing downloaded;
+    one that differs (cut short) is not whole."""
+    from paddle.utils import download
+
+    made = tmp_path / "weights" / "resnet18.pdparams"
+    made.parent.mkdir()
+    paddle.save(build_model("resnet18", 1000, (3, 32, 32)).state_dict(), str(made))
+    url, _ = backbones.IMAGENET_WEIGHTS["resnet18"]
+    monkeypatch.setattr(download, "WEIGHTS_HOME", str(made.parent))
+    monkeypatch.setitem(backbones.IMAGENET_WEIGHTS, "resnet18", (url, hashlib.md5(made.read_bytes()).hexdigest()))
+    cfg = config.parse_args(["--model", "resnet18", "--pretrained"])
+    one = DistEnv(0, 1, 0, 1, "none", "cpu")
+    assert finetune.weights_file(cfg, one, logging.getLogger("test"), lambda: 0) == (made, ())
+    made.write_bytes(made.read_bytes()[:-1])
+    assert not finetune._intact(made, backbones.IMAGENET_WEIGHTS["resnet18"][1])
 
 
 # ---- real runs ----

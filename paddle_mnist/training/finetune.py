@@ -93,27 +93,37 @@ def cached_path(model: str) -> Path:
 
 
 def _imagenet_weights(model: str, env: DistEnv, log: logging.Logger, stopped: Callable[[], int]) -> Path:
-    """Paddle's cache holds the file, or the first worker of each machine downloads it there as Paddle does
-    (paddle.utils.download, MD5 checked) while the others wait; every rank then finds it, or none goes on."""
+    """Paddle's cache holds the file with its MD5, or the first worker of each machine downloads it there as Paddle
+    does (paddle.utils.download, which checks the MD5) while the others wait; then every rank looks for it."""
     from paddle.utils import download
 
     url, md5 = backbones.IMAGENET_WEIGHTS[model]
     path, reason = cached_path(model), None
     with waiting.Meeting("pretrained", f"{model}'s ImageNet weights", env, log, stopped) as meeting:
-        if env.local_rank == 0 and not path.is_file():
-            log.info(f"--pretrained: {path} is not in Paddle's cache; downloading {url}")
+        if env.local_rank == 0 and not _intact(path, md5):
+            log.info(f"--pretrained: {path} is not in Paddle's cache, or not whole; downloading {url}")
             try:
                 download.get_weights_path_from_url(url, md5)
             except Exception as e:  # no network: a connection error, or Paddle's "retry limit reached"
                 reason = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
-        failed = meeting.finish(path.is_file())
-    if failed or not path.is_file():
+        meeting.finish(env.local_rank != 0 or _intact(path, md5))
+    if not _intact(path, md5):
         why = f" ({reason})" if reason else ""
         raise CheckpointError(
             f"--pretrained: {model}'s ImageNet weights are not in Paddle's cache, {path}, and could not be "
             f"downloaded from {url}{why}: put that file there (MD5 {md5}), or pass --pretrained FILE"
         )
     return path
+
+
+def _intact(path: Path, md5: str) -> bool:
+    if not path.is_file():
+        return False
+    h = hashlib.md5()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest() == md5
 
 
 def fit(net: paddle.nn.Layer, state: dict, renew_classifier: bool) -> tuple[list[str], list[str]]:
