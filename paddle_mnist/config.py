@@ -28,6 +28,12 @@ AMP = ("off", "fp16", "bf16")
 EXPORTS = ("last", "best")  # which weights --export writes for inference
 PER_WORKER_BATCH = 64  # the tutorials' per-GPU batch; the default global batch is this times the workers
 MIN_STEPS = 500  # a recipe's run trains at least this many optimizer steps (docs/training.md#small-training-sets)
+PRETRAINED_MODELS = ("resnet18", "mobilenet_v3_small")  # the models with Paddle's ImageNet weights (backbones.py)
+IMAGENET = "imagenet"  # --pretrained without a file: Paddle's ImageNet weights, from its cache or downloaded
+# the fine-tuning recipe when --init-from or --pretrained is given: every layer at the full rate from the start,
+# which beat 0.1 x the rate for the loaded layers and tied 5 frozen epochs (docs/training.md#fine-tuning)
+FINETUNE_LR_SCALE = 1.0
+FINETUNE_FREEZE_EPOCHS = 0
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,9 @@ RECIPES = {
         whiten=True,
         nesterov=True,
     ),
+    # not measured: the default model's rates for these two; the warmup as for the other networks without a long run
+    "resnet18": Recipe(lr=0.05, warmup_epochs=0.2, epochs=8, weight_decay=5e-4),
+    "mobilenet_v3_small": Recipe(lr=0.05, warmup_epochs=0.2, epochs=8, weight_decay=1e-4),
 }
 RECIPE_FLAGS = tuple(f.name for f in dataclasses.fields(Recipe))
 
@@ -120,6 +129,10 @@ class Config:
     tta: bool = False  # the final test score (each epoch's too with target_acc) averages image and mirror image
     tta_shift: bool = False  # with tta: also with the image and its mirror moved 1 px both ways (6 views)
     target_acc: float = 0.0  # end the run at the first evaluation at least this accurate (0: train every epoch)
+    init_from: str = ""  # another run's output directory, or a .pdparams file, whose fitting weights start this run
+    pretrained: str = ""  # IMAGENET: Paddle's ImageNet weights of --model; or a .pdparams file of them ("": none)
+    init_lr_scale: float = 1.0  # the loaded layers' learning rate, times --lr (FINETUNE_LR_SCALE with a start)
+    freeze_epochs: int = 0  # the loaded layers stay as loaded for this many epochs (FINETUNE_FREEZE_EPOCHS with one)
     seed: int = 42
     train_limit: int = 0
     eval_limit: int = 0
@@ -393,8 +406,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="record optimizer steps A to B (counted from 1 over the whole run) with paddle.profiler on every worker; "
         "the trace and the operator table go to OUTPUT_DIR/profile/, the five costliest operators to the log",
     )
+    _add_start_flags(p, d)
     _add_folder_flags(p, d)
     return p
+
+
+def _add_start_flags(p: argparse.ArgumentParser, d: Config) -> None:
+    start = p.add_argument_group("starting from trained weights (docs/training.md#fine-tuning)")
+    start.add_argument(
+        "--init-from",
+        default=d.init_from,
+        metavar="PATH",
+        help="start from another run's weights: its output directory (model.pdparams, with its config.json) or a "
+        ".pdparams file. Every tensor whose name and shape fit --model is loaded; the rest starts anew (the "
+        "classifier, when the classes differ). With --resume and a checkpoint, the checkpoint wins ('': off)",
+    )
+    start.add_argument(
+        "--pretrained",
+        nargs="?",
+        const=IMAGENET,
+        default=d.pretrained,
+        metavar="FILE",
+        help=f"--model {' or '.join(PRETRAINED_MODELS)} starts from Paddle's ImageNet weights: from Paddle's cache "
+        "(~/.cache/paddle/hapi/weights), downloaded there by Paddle when missing; --pretrained FILE: from that "
+        ".pdparams file. The classifier starts anew unless the data has 1,000 classes ('': off)",
+    )
+    start.add_argument(
+        "--init-lr-scale",
+        type=float,
+        help="with --init-from or --pretrained: the loaded layers train at this times the learning rate, the new "
+        f"ones at the full rate (None: {FINETUNE_LR_SCALE:g} with a start, the fine-tuning default)",
+    )
+    start.add_argument(
+        "--freeze-epochs",
+        type=_non_negative("--freeze-epochs"),
+        help="with --init-from or --pretrained: the loaded layers stay as loaded for this many epochs, then train "
+        f"at --init-lr-scale (None: {FINETUNE_FREEZE_EPOCHS} with a start)",
+    )
 
 
 def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
@@ -474,6 +522,40 @@ _FOLDER_FLAGS = {
 }
 
 
+def starts_from_weights(cfg: Config) -> bool:
+    """Whether the run starts from trained weights: --init-from or --pretrained."""
+    return bool(cfg.init_from or cfg.pretrained)
+
+
+def _fill_start_flags(ns: argparse.Namespace) -> None:
+    """--init-lr-scale and --freeze-epochs not given: the fine-tuning recipe with a start, else no effect. Given
+    without a start, they are refused."""
+    starts = bool(ns.init_from or ns.pretrained)
+    flags = (("--init-lr-scale", ns.init_lr_scale), ("--freeze-epochs", ns.freeze_epochs))
+    given = [flag for flag, value in flags if value is not None]
+    if given and not starts:
+        verb = "apply" if len(given) > 1 else "applies"
+        raise ConfigError(
+            f"{', '.join(given)} {verb} to the layers loaded by --init-from or --pretrained: add one, or drop it"
+        )
+    if ns.init_lr_scale is None:
+        ns.init_lr_scale = FINETUNE_LR_SCALE if starts else Config.init_lr_scale
+    if ns.freeze_epochs is None:
+        ns.freeze_epochs = FINETUNE_FREEZE_EPOCHS if starts else Config.freeze_epochs
+
+
+def _check_start_flags(cfg: Config) -> None:
+    if cfg.init_from and cfg.pretrained:
+        raise ConfigError("--init-from and --pretrained both choose the starting weights: pass one of them")
+    if cfg.pretrained and cfg.model not in PRETRAINED_MODELS:
+        raise ConfigError(
+            f"--pretrained loads Paddle's ImageNet weights, which exist for --model {' and '.join(PRETRAINED_MODELS)}, "
+            f"not {cfg.model}: pass one of those, or --init-from a run of {cfg.model}"
+        )
+    if cfg.init_lr_scale < 0:
+        raise ConfigError(f"--init-lr-scale multiplies the learning rate: 0 (frozen) or more, got {cfg.init_lr_scale}")
+
+
 def tta_each_epoch(cfg: Config) -> bool:
     """Whether the scores after each epoch use --tta's views too: only where --target-acc compares them with the
     target; otherwise only the final test score does, at two to six times a plain score's cost."""
@@ -522,6 +604,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
         setattr(ns, name, getattr(RECIPES[ns.model], name))
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
+    _fill_start_flags(ns)
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
     if cfg.resume != "no" and cfg.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: pass one of them")
@@ -536,6 +619,7 @@ def parse_args(argv: list[str] | None = None) -> Config:
     if not 0 <= cfg.target_acc <= 1:
         raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
     _check_folder_flags(cfg)
+    _check_start_flags(cfg)
     if problem := tta_problem(cfg):
         raise ConfigError(problem)
     if cfg.tta_shift and not cfg.tta:

@@ -105,6 +105,7 @@ RULES = [
     (r"^python -m paddle_mnist\.preflight", "parse", "asks the master's machine: tests/test_multi.py runs it on two"),
     (r"--nnodes", "parse", "several machines: tests/test_parallel.py runs two launchers on one"),
     (r"--gpus|--selected_gpus", "parse", "no GPU here"),
+    (r"--pretrained(?! \S+\.pdparams)", "parse", "downloads Paddle's ImageNet weights from the internet"),
     (r"^python -m paddle_mnist\.download cifar10", "parse", "downloads from the internet"),
     (r"^python -m scripts\.gpu_estimate", "run", ""),
     (r"^python -m scripts\.", "parse", "a benchmark or a study of minutes to hours"),

@@ -8,6 +8,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from paddle_mnist.network import backbones
 from paddle_mnist.network.dropout import Dropout
 from paddle_mnist.network.heads import head_pool, head_scale, pooled, scaled
 from paddle_mnist.ops import onednn
@@ -356,6 +357,9 @@ MODELS = {
     "minigooglenet": MiniGoogLeNet,
     "cifar_cnn": CifarCNN,
     "cifar_fast": CifarFast,
+    # Paddle's ImageNet networks, whose ImageNet weights --pretrained loads (backbones.py)
+    "resnet18": backbones.ResNet18,
+    "mobilenet_v3_small": backbones.MobileNetSmall,
 }
 
 

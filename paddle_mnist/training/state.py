@@ -83,9 +83,20 @@ class TrainState:
     every rank's batch norm statistics when the checkpoint was a stop's.
     """
 
-    def __init__(self, cfg: Config, model, opt, sched, scaler, ema: WeightAverage | None, planned_steps: int = 0):
+    def __init__(
+        self,
+        cfg: Config,
+        model,
+        opt,
+        sched,
+        scaler,
+        ema: WeightAverage | None,
+        planned_steps: int = 0,
+        loaded: tuple[str, ...] = (),
+    ):
         self.cfg, self.model, self.opt, self.sched, self.scaler, self.ema = cfg, model, opt, sched, scaler, ema
         self.planned_steps = planned_steps  # the schedule's length: --epochs x steps per epoch
+        self.loaded = loaded  # the tensors --init-from or --pretrained loaded, which train at their own rate
         self.epoch = self.batch_in_epoch = self.step = 0
         self.trained_before = 0.0  # seconds of training in earlier sessions of this run
         self.best: dict | None = (
@@ -96,22 +107,33 @@ class TrainState:
 
     @classmethod
     def create(
-        cls, cfg: Config, num_classes: int, image_shape: tuple, env: DistEnv, steps_per_epoch: int, whitening=None
+        cls,
+        cfg: Config,
+        num_classes: int,
+        image_shape: tuple,
+        env: DistEnv,
+        steps_per_epoch: int,
+        whitening=None,
+        start=None,
     ):
         """The same seed on every rank: the same initial weights everywhere. The schedule is planned over --epochs;
         --max-steps only stops early, so a stopped run can be resumed exactly. whitening: with --whiten, a function
-        that whitens the model's first convolution (whiten.whiten with the training images bound)."""
+        that whitens the model's first convolution (whiten.whiten with the training images bound). start: with
+        --init-from or --pretrained, a function that loads what fits into the model and returns the names it
+        loaded (finetune.start), after the whitening, so loaded weights win, and before the moving average and
+        the slow copy are taken of the model."""
         paddle.seed(cfg.seed)
         np.random.seed(cfg.seed)
         model = build_model(cfg.model, num_classes, image_shape)
         if whitening is not None:
             whitening(model)
+        loaded = start(model) if start is not None else ()
         if cfg.sync_bn:
             model = distributed.convert_sync_bn(model, env)
         planned = cfg.epochs * steps_per_epoch
         opt, sched = make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
         ema = WeightAverage(model, build_model(cfg.model, num_classes, image_shape), cfg.ema) if cfg.ema else None
-        return cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned)
+        return cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned, loaded)
 
     def replan(self, saved: dict) -> str | None:
         """After restore: when the checkpoint's config planned its schedule with other SCHEDULE_KEYS (a finished
@@ -171,6 +193,7 @@ class TrainState:
             "scaler": self.scaler.state_dict() if self.scaler else None,  # fp16 loss scale, so a resumed run keeps it
             "elapsed_s": elapsed_s,
             "best": self.best,
+            "loaded": list(self.loaded),  # their learning rate follows --init-lr-scale and --freeze-epochs
         }
 
     @staticmethod
@@ -205,4 +228,5 @@ class TrainState:
         self.epoch, self.batch_in_epoch, self.step = (int(contents[k]) for k in ("epoch", "batch_in_epoch", "step"))
         self.trained_before = float(contents["elapsed_s"])
         self.best = contents["best"]
+        self.loaded = tuple(contents.get("loaded") or ())
         return warning

@@ -17,7 +17,16 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from paddle_mnist.config import FOLDER, RECIPES, Config, ConfigError, effective_lr, stretch_for_steps, tta_each_epoch
+from paddle_mnist.config import (
+    FOLDER,
+    RECIPES,
+    Config,
+    ConfigError,
+    effective_lr,
+    starts_from_weights,
+    stretch_for_steps,
+    tta_each_epoch,
+)
 from paddle_mnist.datasets import augment, data, folder
 from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
@@ -32,7 +41,7 @@ from paddle_mnist.runtime import cpu, distributed, launch, waiting
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, signal_name
-from paddle_mnist.training import agreement, chance, engine, scores
+from paddle_mnist.training import agreement, chance, engine, finetune, scores
 from paddle_mnist.training.session import Session, check_best
 from paddle_mnist.training.state import TrainState
 
@@ -265,6 +274,18 @@ def _splits(cfg: Config, ds: data.Dataset, parts: int) -> tuple[data.Split, data
     return train, val, test
 
 
+def _start(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals, resumed: Path | None):
+    """finetune.start's loader for TrainState.create with --init-from or --pretrained; None without, and on a
+    resume, which continues the checkpoint (its weights, and its record of the loaded layers) instead."""
+    if not starts_from_weights(cfg):
+        return None
+    if resumed:
+        flag = f"--init-from {cfg.init_from}" if cfg.init_from else f"--pretrained {cfg.pretrained}"
+        log.info(f"{flag} is not read: the run continues from its checkpoint {resumed} (a resume wins)")
+        return None
+    return finetune.start(cfg, env, log, lambda: stop.signum)
+
+
 def train_and_evaluate(
     cfg: Config,
     env: DistEnv,
@@ -306,10 +327,11 @@ def train_and_evaluate(
             raise ConfigError(f"{e}: drop --whiten, or pass --no-whiten") from None
 
     whitened = whitening if cfg.whiten else None
-    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened)
-    table = _log_model(cfg, env, log, ds, state.model)
     store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
-    resumed = _choose_checkpoint(store, cfg, env, log)
+    resumed = _choose_checkpoint(store, cfg, env, log)  # first: a resume does not read --init-from's weights
+    start = _start(cfg, env, log, stop, resumed)
+    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, start)
+    table = _log_model(cfg, env, log, ds, state.model)
     if resumed:
         contents = checkpoint.load(resumed)
         if warning := state.restore(contents, resumed, env):
@@ -342,6 +364,8 @@ def train_and_evaluate(
     )
     with session:
         while session.training():
+            if line := finetune.set_rates(state.model, state.loaded, cfg, state.epoch):
+                log.info(line)
             epoch_batches = batches.epoch(state.epoch, state.batch_in_epoch, session.batch_count(), stage=feed.host)
             epoch = engine.Epoch(state, epoch_batches, cfg, env, log, feed)
             for _ in epoch:
