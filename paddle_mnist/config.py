@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative("--shift"),
         default=d.shift,
         help="with --augment: largest random shift in pixels, 0 for flips only "
-        "(None: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/8 of the image's shorter side in colour, "
-        "1/14 in grey, rounded down, at least 1)",
+        "(None: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/14 of the image's shorter side, rounded down, "
+        "at least 1)",
     )
     p.add_argument("--model", default=d.model, choices=tuple(RECIPES), help="network to train")
     p.add_argument(

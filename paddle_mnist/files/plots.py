@@ -53,8 +53,12 @@ def main(argv: list[str] | None = None) -> int:
         args = args[1:]
         if hasattr(os, "nice"):
             os.nice(19)
-    if len(args) != 1:
-        print("usage: python -m paddle_mnist.plots OUTPUT_DIR", file=sys.stderr)
+    usage = "usage: python -m paddle_mnist.plots OUTPUT_DIR: draws OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/curves.png"
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if len(args) != 1 or args[0].startswith("-"):
+        print(usage, file=sys.stderr)
         return 2
     folder = Path(args[0])
     metrics = folder / METRICS_FILE
