@@ -91,6 +91,19 @@ def test_a_build_without_code_for_the_card_is_named_with_the_fix():
     assert launch.no_kernel_problem(RuntimeError("out of memory"), "NVIDIA H100 80GB HBM3", (9, 0)) is None
 
 
-def test_the_kernel_probe_passes_where_kernels_run():
-    """The probe the trainer runs on a GPU at start, here on the CPU: it must not raise where the op runs."""
-    launch.check_gpu_kernels("cpu")
+def test_the_kernel_probe_passes_where_kernels_run_and_names_a_card_without_them():
+    """The probe the trainer runs on a GPU at start: on the CPU its kernel runs and it returns; a kernel that fails
+    with CUDA error 209 stops with the line naming the card; any other failure surfaces as it is."""
+    assert launch.check_gpu_kernels("cpu") is None
+
+    def no_image():
+        raise OSError("(External) CUDA error(209), no kernel image is available for execution on the device. ")
+
+    def out_of_memory():
+        raise RuntimeError("out of memory")
+
+    h100 = lambda device: ("NVIDIA H100 80GB HBM3", (9, 0))  # noqa: E731 - the card a GPU machine reports
+    with pytest.raises(launch.LaunchError, match="has no GPU code for NVIDIA H100 80GB HBM3"):
+        launch.check_gpu_kernels("gpu:0", probe=no_image, card=h100)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        launch.check_gpu_kernels("gpu:0", probe=out_of_memory, card=h100)

@@ -88,13 +88,26 @@ def rooms() -> dict[str, set[str]]:
     }
 
 
-def test_every_room_says_its_job_and_no_module_is_long_without_a_reason():
+# The modules allowed over 400 lines, each with a ceiling a little above its size on 2026-11-27; the reason is at
+# the top of each. A module that grows past its ceiling, or a new one past 400 lines, fails until it is split or
+# its entry here is argued for in review.
+LONG_MODULES = {
+    "paddle_mnist.config": 740,
+    "paddle_mnist.datasets.folder": 780,
+    "paddle_mnist.files.logs": 640,
+    "paddle_mnist.ops.onednn": 620,
+    "paddle_mnist.training.trainer": 520,
+}
+
+
+def test_every_room_says_its_job_and_no_module_grows_long():
     for room in rooms():
         assert ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text())), room
     for name, path in MODULES.items():
         lines = path.read_text().count("\n")
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        assert lines <= 400 or "Long because" in doc, f"{name}: {lines} lines and no reason at its top"
+        assert lines <= LONG_MODULES.get(name, 400), f"{name}: {lines} lines, over {LONG_MODULES.get(name, 400)}"
+    for name in LONG_MODULES:  # an entry outlives its need once the module is short again
+        assert MODULES[name].read_text().count("\n") > 400, f"{name} is 400 lines or fewer: drop it from LONG_MODULES"
 
 
 def test_the_commands_at_the_top_only_forward_to_their_rooms():

@@ -98,14 +98,15 @@ def no_kernel_problem(error: BaseException, name: str, capability: tuple[int, in
     )
 
 
-def check_gpu_kernels(device: str) -> None:
+def check_gpu_kernels(device: str, probe=None, card=None) -> None:
     """Start one tiny kernel on `device` now, so that a build without code for this card stops at once with
-    one line instead of a C++ trace at the first layer."""
+    one line instead of a C++ trace at the first layer. probe (the kernel) and card (the card's name and compute
+    capability) are Paddle's unless given."""
     try:
-        (paddle.ones([2]) + 1).numpy()
+        (probe or (lambda: (paddle.ones([2]) + 1).numpy()))()
     except Exception as error:  # Paddle raises OSError on 2.6 and RuntimeError kinds on 3.x
-        capability = device_capability(device)
-        problem = no_kernel_problem(error, paddle.device.cuda.get_device_name(device), capability)
+        name, capability = (card or (lambda d: (paddle.device.cuda.get_device_name(d), device_capability(d))))(device)
+        problem = no_kernel_problem(error, name, capability)
         if problem:
             raise LaunchError(problem) from error
         raise
