@@ -10,12 +10,17 @@ as a user's run does, from its decoded cache (DIR/.paddle_mnist-cache/<setting>/
 timing, when there is none yet), and PyTorch reads the same cache's train.npy, normalised by the same per-channel
 mean and std.
 
-For each model and each cell (1 worker x 1 thread, 1 worker x 2 threads, 2 workers x 1 thread) the contenders take
+For each model and each cell (1 worker x 1 thread, 1 worker x 2 threads, 2 workers x 1 thread by default; --cells
+scaling for 1, 2, 4, ... workers up to the machine's cores, then 1 worker x a thread a core) the contenders take
 turns in fresh processes, round after round, the order reversed every other round, so a slow spell of a shared
 machine falls on all of them:
 
-    trainer   python train.py as a user runs it (under paddle.distributed.launch for 2 workers), with
+    trainer   python train.py as a user runs it (under paddle.distributed.launch for 2 workers or more), with
               --timing-every 0 and --no-augment (PyTorch does neither), its rate read from its log lines
+    alone     the limit without a collective: as many single-process trainers as the cell has workers, each with
+              the cell's threads and 64 images a step, started together; their rates summed (cells of 2 workers
+              or more). trainer/alone is the job's efficiency; trainer/slowest compares it with the workers' count
+              times the slowest independent trainer, the most a job that meets every step can reach
     torch     the same layers in a plain PyTorch loop (DistributedDataParallel over gloo for 2 workers, started by
               torch.distributed.run) over batches already in memory as tensors: SGD with the trainer's momentum
               and weight decay, cross-entropy; torch.set_num_threads(threads); NCHW, PyTorch's default
@@ -62,8 +67,9 @@ MODELS = {  # --models by --dataset
     "fashion-mnist": "mnist_cnn,mnist_cnn_bn_fc,minigooglenet",
     "folder": "cifar_cnn,mnist_cnn_bn_fc,minigooglenet",
 }
-CONTENDERS = ("trainer", "torch", "torch-cl")
+CONTENDERS = ("trainer", "alone", "torch", "torch-cl")
 TORCH_NAMES = {"torch": "torch", "torch-cl": "torch channels_last"}
+NAMES = {"alone": "independent trainers (sum)", **TORCH_NAMES}
 
 
 def processor() -> str:
@@ -292,6 +298,35 @@ def run_trainer(
     return rates
 
 
+def run_alone(
+    model: str, workers: int, threads: int, plan: tuple[int, int], data: list[str], work: Path, env: dict
+) -> list[float]:
+    """The no-collective limit of a cell: `workers` single-process trainers (each as the cell's worker: `threads`
+    threads, 64 images a step, its own seed and output) started together and run side by side on the machine's
+    cores; each one's median windowed rate, in rank order. Their sum is what the machine gives without a meeting."""
+    steps, window = plan
+    procs = []
+    for i in range(workers):
+        cmd = [sys.executable, str(REPO / "train.py"), *data, "--model", model, "--seed", str(i + 1)]
+        cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
+        cmd += ["--log-every", str(window), "--eval-limit", "100", "--output-dir", str(work / f"alone{i}")]
+        cmd += ["--overwrite", "--batch-size", str(PER_WORKER)]
+        log = open(work / f"alone{i}.log", "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log))
+    rates = []
+    for i, (proc, log) in enumerate(procs):
+        code = proc.wait(timeout=1800)
+        log.close()
+        text = (work / f"alone{i}.log").read_text()
+        if code != 0:
+            raise SystemExit(f"an independent trainer failed ({model}, {i + 1} of {workers}):\n{text[-2000:]}")
+        windows = windowed(text, PER_WORKER)
+        if len(windows) != steps // window - 1:
+            raise SystemExit(f"independent trainer {i + 1}'s log holds {len(windows)} windows:\n{text[-2000:]}")
+        rates.append(statistics.median(windows))
+    return rates
+
+
 def run_torch(
     python: str,
     model: str,
@@ -315,6 +350,22 @@ def run_torch(
         raise SystemExit(f"PyTorch failed ({model}, {workers}x{threads}):\n{proc.stderr[-3000:]}")
     got = json.loads(out.read_text())
     return got["rates"], got["version"]
+
+
+def scaling_cells(cores: int) -> list[tuple[int, int]]:
+    """1, 2, 4, ... workers of 1 thread up to the cores (the cores themselves last), then 1 worker x cores threads."""
+    counts = [n for n in (2**k for k in range(cores.bit_length())) if n < cores] + [cores]
+    return [(n, 1) for n in counts] + ([(1, cores)] if cores > 1 else [])
+
+
+def parse_cells(text: str) -> list[tuple[int, int]]:
+    cells = []
+    for cell in text.split(","):
+        workers, _, threads = cell.partition("x")
+        if not (workers.isdigit() and threads.isdigit() and int(workers) > 0 and int(threads) > 0):
+            return []
+        cells.append((int(workers), int(threads)))
+    return cells
 
 
 def spread(rates: list[float]) -> str:
@@ -353,7 +404,12 @@ def main() -> int:
         + ")",
     )
     p.add_argument("--window", type=int, help="steps a window, with --steps (at least 2 windows a run)")
-    p.add_argument("--cells", default="1x1,1x2,2x1", help="WORKERSxTHREADS, comma-separated")
+    p.add_argument(
+        "--cells",
+        default="1x1,1x2,2x1",
+        help="WORKERSxTHREADS, comma-separated; scaling: 1, 2, 4, ... workers up to the machine's cores (1 thread "
+        "each), then 1 worker with a thread a core",
+    )
     p.add_argument("--json", type=Path, help="write the table's figures here")
     args = p.parse_args()
     if args.command == "worker":
@@ -368,6 +424,9 @@ def main() -> int:
         p.error(f"unknown {', '.join(unknown)}: models are {', '.join(STEPS)}; contenders {', '.join(CONTENDERS)}")
     if (args.steps is None) != (args.window is None) or (args.steps and args.steps < 2 * args.window):
         p.error("--steps and --window go together, with at least 2 windows a run: the first is not counted")
+    cells = scaling_cells(os.cpu_count() or 1) if args.cells == "scaling" else parse_cells(args.cells)
+    if not cells:
+        p.error("--cells: WORKERSxTHREADS, comma-separated (e.g. 1x1,2x1), or scaling")
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("OMP_NUM_THREADS", None)
     data = ["--dataset", args.dataset] + (["--data-dir", str(args.data_dir)] if args.data_dir else [])
@@ -379,21 +438,32 @@ def main() -> int:
         work = Path(tmp)
         for model in models:
             plan = (args.steps, args.window) if args.steps else STEPS[model]
-            for workers, threads in (tuple(int(n) for n in c.split("x")) for c in args.cells.split(",")):
-                got = {name: [] for name in contenders}
+            for workers, threads in cells:
+                # one worker's limit is the trainer itself: independent trainers are timed from 2 workers up
+                names = [n for n in contenders if n != "alone" or workers > 1]
+                got, each = {name: [] for name in names}, []
                 for r in range(args.rounds):
-                    for name in contenders if r % 2 == 0 else contenders[::-1]:
+                    for name in names if r % 2 == 0 else names[::-1]:
                         if name == "trainer":
                             rates = run_trainer(model, workers, threads, plan, data, work, env)
+                        elif name == "alone":
+                            each.append(run_alone(model, workers, threads, plan, data, work, env))
+                            rates = [sum(each[-1])]
                         else:
                             cell, cl = (model, workers, threads, plan), name == "torch-cl"
                             rates, version = run_torch(args.torch_python, *cell, cl, cache, work, env)
                         got[name].append(statistics.median(rates))
                 medians = {name: statistics.median(v) for name, v in got.items()}
-                ratios = {k: medians["trainer"] / medians[k] for k in TORCH_NAMES if k in got and "trainer" in got}
-                rows.append({"model": model, "workers": workers, "threads": threads, **got, "ratios": ratios})
-                figures = ", ".join(f"{TORCH_NAMES.get(name, name)} {spread(v)}" for name, v in got.items())
+                ratios = {k: medians["trainer"] / medians[k] for k in NAMES if k in got and "trainer" in got}
+                if each and "trainer" in got:  # a synchronous job waits for its slowest worker at every step
+                    ratios["slowest"] = medians["trainer"] / statistics.median(workers * min(e) for e in each)
+                row = {"model": model, "workers": workers, "threads": threads, **got, "ratios": ratios}
+                rows.append({**row, "alone_each": each} if each else row)
+                figures = ", ".join(f"{NAMES.get(name, name)} {spread(v)}" for name, v in got.items())
                 said = "".join(f"; trainer/{k} {v:.2f}" for k, v in ratios.items())
+                if each:
+                    cores = ", ".join(f"{min(e):.0f}-{max(e):.0f}" for e in each)
+                    said += f" (an independent trainer: {cores} images/s by round)"
                 print(f"{model:<16} {workers} worker(s) x {threads} thread(s): {figures} images/s{said}", flush=True)
     if version:
         print(f"PyTorch {version} ({args.torch_python})")

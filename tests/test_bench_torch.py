@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
-from helpers import launch_env
+from helpers import launch_env, run_single, small_run
 
 from scripts import bench_torch
 
@@ -19,3 +21,38 @@ def test_a_cell_runs_the_trainer_on_its_own_number_of_workers(tmp_path, workers)
     log = (tmp_path / "trainer-log" / "workerlog.0").read_text() if workers > 1 else None
     if log is not None:
         assert f"of world size {workers} " in log
+
+
+def test_scaling_cells_go_up_to_the_cores_then_one_process_on_all_of_them():
+    assert bench_torch.scaling_cells(16) == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1), (1, 16)]
+    assert bench_torch.scaling_cells(6) == [(1, 1), (2, 1), (4, 1), (6, 1), (1, 6)]
+    assert bench_torch.scaling_cells(2) == [(1, 1), (2, 1), (1, 2)]
+    assert bench_torch.scaling_cells(1) == [(1, 1)]
+    assert bench_torch.parse_cells("1x1,2x1") == [(1, 1), (2, 1)]
+    assert bench_torch.parse_cells("2x") == [] and bench_torch.parse_cells("0x1") == []
+
+
+def test_the_limit_runs_one_independent_trainer_per_worker_side_by_side(tmp_path):
+    """The no-collective limit: two single-process trainers at once, each with its own seed, log and rate."""
+    data = ["--dataset", "fashion-mnist", "--train-limit", "960"]
+    rates = bench_torch.run_alone("mnist_cnn", 2, 1, (6, 2), data, tmp_path, launch_env())
+    assert len(rates) == 2 and all(rate > 0 for rate in rates)
+    logs = [(tmp_path / f"alone{i}.log").read_text() for i in range(2)]
+    assert all("of world size 1 " in log for log in logs)
+    seeds = [json.loads((tmp_path / f"alone{i}" / "config.json").read_text())["seed"] for i in range(2)]
+    assert seeds == [1, 2]
+
+
+def test_one_process_on_more_than_two_threads_is_told_the_workers_command(tmp_path, dataset):
+    """The start-up line of #55's item 4: one CPU process on many threads names the launcher's command and the
+    measured factor; 2 threads (this VM's cores) stay quiet."""
+    args = [*small_run(train_limit=128, eval_limit=64), "--data-dir", str(dataset), "--max-steps", "1"]
+    said = {}
+    for threads in (2, 4):
+        out = tmp_path / f"t{threads}"
+        proc = run_single([*args, "--cpu-threads", str(threads), "--output-dir", str(out)], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said[threads] = proc.stdout + proc.stderr
+    assert "workers of one thread each" not in said[2]
+    line = next(x for x in said[4].splitlines() if "workers of one thread each" in x)
+    assert "--nproc_per_node 4 train.py ... --batch-size 256" in line and "3.6 times as fast" in line

@@ -133,6 +133,8 @@ def _log_start(
         f"paddle {paddle.__version__}, CPU threads {threads} (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')})"
         + (f", {cpu.MKL_CODE_PATH}={mkl}{avx2}" if mkl else "")
     )
+    if env.world_size == 1 and not env.device.startswith("gpu") and threads > 2:
+        log.info(cpu.workers_advice(threads))
 
 
 def _stretched_text(cfg: Config, train_images: int, steps_per_epoch: int) -> str:

@@ -1,0 +1,250 @@
+"""Where a data-parallel step's time goes: every rank's steps timed phase by phase, with and without the meeting.
+
+    python -m scripts.step_timeline                       # 2 workers, the default model, 300 steps a mode
+    python -m scripts.step_timeline --workers 16 --steps 120
+
+The trainer's step without its machinery (no logging, checkpoints or input pipeline: fixed batches of 64 images,
+random values, the model built as the trainer builds it, oneDNN's operators, one thread a worker), run under
+paddle.distributed.launch in four modes, one after another, the order reversed every other round:
+
+    none       no collective: N independent processes side by side (the limit)
+    barrier    a one-value all-reduce after each backward pass: the cost of meeting, with nothing to carry
+    allreduce  the same meeting, then one all-reduce of all gradients flattened: meeting and carrying apart
+    dataparallel  paddle.DataParallel with every gradient in one bucket, as the trainer runs gloo
+    overlap    tried and not adopted: each bucket of gradients (256 KB, in backward order) all-reduced on a thread
+               of its own as soon as backward has made it, while backward goes on (GradientStream below)
+
+Every rank records, for every step, when it started, ended its forward and backward passes, left the meeting, left
+the all-reduce and ended the optimizer step (one clock for all processes: CLOCK_MONOTONIC). The table gives each
+phase's median over ranks and steps (the first 20 steps left out), the global images/s and the share of the none
+mode's rate. "wait" is the time from a rank's end of backward to the meeting's end: the slower rank's lead plus
+the meeting's own latency. --json keeps every record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("none", "barrier", "allreduce", "dataparallel", "overlap")
+SKIP = 20  # warm-up steps left out of the medians
+PER_WORKER = 64
+
+
+def worker(args) -> None:
+    """One rank: fixed batches through the model, each step's marks written to args.out/RANK.json."""
+    from paddle_mnist.runtime import cpu
+
+    cpu.prefer_fast_kernels()
+    cpu.steady_malloc()
+    import paddle
+    import paddle.distributed as dist
+    import paddle.nn.functional as F
+
+    from paddle_mnist.network import models
+    from paddle_mnist.ops import onednn
+    from scripts import plain_loop
+
+    world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
+    coupled = args.mode != "none" and world > 1
+    if coupled:
+        dist.init_parallel_env()
+    paddle.base.core.set_num_threads(1)
+    onednn.set_openmp_threads(1)
+    onednn.activate(onednn.prepare("auto"), "cpu")
+    paddle.seed(rank)
+    shape = plain_loop.image_shape(args.model)
+    net = models.build_model(args.model, 10, shape)
+    opt = plain_loop.optimizer(net)
+    params = [p for p in net.parameters() if not p.stop_gradient]
+    model = net
+    if coupled and args.mode == "dataparallel":
+        from paddle_mnist.runtime.distributed import DistEnv, buckets
+
+        comm, last = buckets(net, DistEnv(rank, world, rank, world, "gloo", "cpu"))
+        model = paddle.DataParallel(net, comm_buffer_size=comm, last_comm_buffer_size=last)
+    stream = GradientStream(net, world) if coupled and args.mode == "overlap" else None
+    xs = [paddle.randn([PER_WORKER, *shape]) for _ in range(4)]
+    ys = [paddle.randint(0, 10, [PER_WORKER]) for _ in range(4)]
+    one = paddle.zeros([1])
+    clock, marks = time.perf_counter, []
+    for i in range(args.steps):
+        t0 = clock()
+        loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        if coupled and args.mode in ("barrier", "allreduce"):
+            dist.all_reduce(one)
+        if stream:
+            stream.finish()
+        t3 = clock()
+        if coupled and args.mode == "allreduce":
+            flat = paddle.concat([p.grad.reshape([-1]) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                n = int(p.grad.size)
+                paddle.assign(flat[offset : offset + n].reshape(p.grad.shape), output=p.grad)
+                offset += n
+        t4 = clock()
+        opt.step()
+        opt.clear_grad()
+        marks.append((t0, t1, t2, t3, t4, clock()))
+    Path(args.out, f"{rank}.json").write_text(json.dumps(marks))
+
+
+class GradientStream:
+    """The overlap mode's all-reduce beside the backward pass. Paddle's gloo group runs an all-reduce to its end in
+    the calling thread, so this hands each bucket to a thread: a backward hook reports each gradient when it is
+    complete, the training thread flattens a full bucket divided by the world size (DataParallel's order), the
+    thread all-reduces it, and finish() writes the averages back. Not in the trainer: with a worker on every core
+    the thread must take a core from a worker at each of the ring's hops (docs/performance.md)."""
+
+    def __init__(self, net, world_size: int, bucket_bytes: int = 256 * 1024):
+        import queue
+        import threading
+
+        self.world_size, self.buckets, size = world_size, [], bucket_bytes
+        params = [p for p in net.parameters() if not p.stop_gradient]
+        for p in reversed(params):  # backward meets the last layers first
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.size * p.element_size()
+        self.todo, self.events = queue.Queue(), threading.Event
+        self._reset()
+        threading.Thread(target=self._carry, daemon=True).start()
+        for b, members in enumerate(self.buckets):
+            for p in members:
+                p._register_backward_hook(self._hook(b))
+
+    def _reset(self) -> None:
+        self.missing = [len(b) for b in self.buckets]
+        self.flat, self.done = [None] * len(self.buckets), [self.events() for _ in self.buckets]
+
+    def _hook(self, b: int):
+        def ready() -> None:
+            self.missing[b] -= 1
+            if self.missing[b] == 0:
+                self._launch(b)
+
+        return ready
+
+    def _launch(self, b: int) -> None:
+        import paddle
+
+        self.missing[b] = -1
+        self.flat[b] = paddle.concat([p.grad.reshape([-1]) for p in self.buckets[b]]).scale_(1.0 / self.world_size)
+        self.todo.put(b)
+
+    def _carry(self) -> None:
+        import paddle.distributed as dist
+
+        while True:
+            b = self.todo.get()
+            dist.all_reduce(self.flat[b])  # the training thread calls no collective until finish() returns
+            self.done[b].set()
+
+    def finish(self) -> None:
+        import paddle
+
+        for b, members in enumerate(self.buckets):
+            self.done[b].wait()
+            offset = 0
+            for p in members:
+                n = p.size
+                paddle.assign(self.flat[b][offset : offset + n].reshape(p.grad.shape), output=p.grad)
+                offset += n
+        self._reset()
+
+
+def analyse(runs: list[list[list[float]]], workers: int) -> dict:
+    """Medians over ranks and steps of each phase (ms), the global rate and the ranks' own rates."""
+    marks = [m[SKIP:] for m in runs]
+    phases = {"forward": (0, 1), "backward": (1, 2), "wait": (2, 3), "all-reduce": (3, 4), "optimizer": (4, 5)}
+    got = {name: statistics.median(1e3 * (s[b] - s[a]) for m in marks for s in m) for name, (a, b) in phases.items()}
+    own = [PER_WORKER * (len(m) - 1) / (m[-1][0] - m[0][0]) for m in marks]  # each rank's images/s
+    got["step"] = statistics.median(1e3 * (m[i + 1][0] - m[i][0]) for m in marks for i in range(len(m) - 1))
+    got["rank_rates"] = own
+    got["images_per_sec"] = sum(own) if len(own) == workers else 0.0
+    return got
+
+
+def run_mode(mode: str, args, work: Path, env: dict) -> dict:
+    out = work / mode
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.workers)]
+    launch += ["--log_dir", str(work / f"log-{mode}")]
+    cmd = launch + [str(Path(__file__).resolve()), "worker", "--mode", mode, "--model", args.model]
+    cmd += ["--steps", str(args.steps), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    files = sorted(out.glob("*.json"), key=lambda f: int(f.stem))
+    if proc.returncode != 0 or len(files) != args.workers:
+        logs = "".join(f.read_text()[-1500:] for f in sorted((work / f"log-{mode}").glob("workerlog.*"))[:2])
+        raise SystemExit(f"mode {mode} failed ({len(files)} of {args.workers} ranks wrote):\n{logs}{proc.stderr}")
+    return analyse([json.loads(f.read_text()) for f in files], args.workers)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
+    sub = p.add_subparsers(dest="command")
+    w = sub.add_parser("worker", help="(internal) one rank")
+    w.add_argument("--mode", choices=MODES, required=True)
+    w.add_argument("--model", required=True)
+    w.add_argument("--steps", type=int, required=True)
+    w.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--model", default="mnist_cnn_bn_fc", help="a name of paddle_mnist.network.models.MODELS")
+    p.add_argument("--steps", type=int, default=300, help=f"steps a run (the first {SKIP} not counted)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", type=Path, help="write every round's figures here")
+    args = p.parse_args()
+    if args.command == "worker":
+        worker(args)
+        return 0
+    modes = args.modes.split(",")
+    if any(m not in MODES for m in modes) or args.steps <= SKIP + 2 or args.workers < 1:
+        p.error(f"--modes of {', '.join(MODES)}; --steps above {SKIP + 2}; --workers at least 1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env.pop("OMP_NUM_THREADS", None)
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                results[mode].append(run_mode(mode, args, Path(tmp), env))
+    print(f"{args.model}, {args.workers} worker(s) x 1 thread, {PER_WORKER} images a worker a step, {args.steps} steps")
+    print(f"a run, {args.rounds} round(s); ms: median over ranks, steps and rounds; images/s: median of rounds")
+    cols = ("forward", "backward", "wait", "all-reduce", "optimizer", "step")
+    print(f"{'mode':<13}" + "".join(f"{c:>11}" for c in cols) + f"{'images/s':>11}{'of none':>9}")
+    base = statistics.median(r["images_per_sec"] for r in results["none"]) if "none" in results else None
+    for mode, rounds in results.items():
+        row = "".join(f"{statistics.median(r[c] for r in rounds):>11.1f}" for c in cols)
+        rate = statistics.median(r["images_per_sec"] for r in rounds)
+        share = f"{rate / base:>9.2f}" if base else ""
+        print(f"{mode:<13}{row}{rate:>11.0f}{share}")
+    if "none" in results:
+        own = [round(x) for r in results["none"] for x in r["rank_rates"]]
+        print(f"none, each process's own images/s: {min(own)} to {max(own)} (all rounds)")
+    if args.json:
+        args.json.write_text(json.dumps({"workers": args.workers, "model": args.model, "results": results}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

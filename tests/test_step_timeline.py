@@ -1,0 +1,28 @@
+"""scripts/step_timeline.py: every rank's phases timed in real 2-worker runs, with and without the meeting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO, launch_env
+
+pytestmark = pytest.mark.slow  # real workers under paddle.distributed.launch
+
+
+def test_each_mode_times_both_ranks_and_only_the_coupled_modes_meet(tmp_path):
+    out = tmp_path / "timeline.json"
+    cmd = [sys.executable, "-m", "scripts.step_timeline", "--steps", "26", "--rounds", "1"]
+    cmd += ["--modes", "none,allreduce,overlap", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    for mode in ("none", "allreduce", "overlap"):
+        (got,) = results[mode]
+        assert len(got["rank_rates"]) == 2 and all(rate > 0 for rate in got["rank_rates"])
+        assert got["forward"] > 0 and got["backward"] > 0 and got["images_per_sec"] > 0
+    assert results["none"][0]["all-reduce"] < 0.05  # ms: nothing is carried without a collective
+    assert results["allreduce"][0]["all-reduce"] > 0.05  # 1 MB of gradients carried every step
+    assert "of none" in proc.stdout and "overlap" in proc.stdout
