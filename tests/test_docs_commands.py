@@ -361,6 +361,7 @@ def after_readme(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.readme
 def test_the_readme_runs_as_written_in_order(after_readme):
     root, failures, not_run = after_readme
     assert not failures, "\n\n".join(failures)

@@ -588,6 +588,7 @@ def runs(tmp_path_factory, fashion):
 
 
 @pytest.mark.slow
+@pytest.mark.readme
 def test_two_workers_equal_one_process_on_a_folder(runs):
     logs = [worker_log(runs / "log", r) for r in (0, 1)]
     assert "decoding 360 images" in logs[0] and "decoding" not in logs[1]  # rank 0 built, rank 1 waited

@@ -43,11 +43,13 @@ def one_and_two(dataset, tmp_path_factory):
     return run_one_and_two(root, args)
 
 
+@pytest.mark.readme
 def test_every_rank_ends_with_identical_parameters(one_and_two):
     logs = [worker_log(one_and_two / "log", r) for r in (0, 1)]
     assert param_digest(logs[0]) == param_digest(logs[1])
 
 
+@pytest.mark.readme
 def test_two_workers_equal_one_process_with_the_same_global_batch(one_and_two):
     one = weights(one_and_two / "one" / "model.pdparams")
     two = weights(one_and_two / "two" / "model.pdparams")
@@ -112,7 +114,7 @@ def fashion_one(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("split", ["2 workers", "3 workers", "3 micro-batches"])
+@pytest.mark.parametrize("split", [pytest.param("2 workers", marks=pytest.mark.readme), "3 workers", "3 micro-batches"])
 def test_workers_and_micro_batches_equal_one_process_on_fashion_mnist_with_onednn(fashion_one, tmp_path, split):
     """The same global batch of 96 split among workers or micro-batches trains one process's weights to 1e-5 with
     oneDNN's convolutions: each image's gradient is the same in any batch (tests/test_onednn.py)."""
@@ -152,6 +154,7 @@ def test_workers_drop_what_one_process_drops(dropout_one, tmp_path, workers):
     check_launched_equals(dropout_one, DROPOUT_JOB, tmp_path, workers, parameters=12)
 
 
+@pytest.mark.readme
 def test_worker_logs_are_rank_tagged(one_and_two):
     for rank in (0, 1):
         text = worker_log(one_and_two / "log", rank)
@@ -161,6 +164,7 @@ def test_worker_logs_are_rank_tagged(one_and_two):
         assert f"[rank {rank}/2] epoch 2/2 done" in text
 
 
+@pytest.mark.readme
 def test_a_two_worker_run_writes_every_output_file(one_and_two):
     """What is written; that only rank 0 writes is test_two_nodes_on_loopback_equal_one_process's check."""
     out = one_and_two / "two"
@@ -175,6 +179,7 @@ def test_a_two_worker_run_writes_every_output_file(one_and_two):
     assert row["world_size"] == 2 and row["global_batch_size"] == 64 and row["images_per_sec"] > 0
 
 
+@pytest.mark.readme
 def test_distributed_evaluation_counts_each_image_once(one_and_two, dataset):
     """201 test images over 2 workers (101 + 100): the reported totals equal a one-process evaluation."""
     out = one_and_two / "two"
@@ -193,7 +198,13 @@ def test_distributed_evaluation_counts_each_image_once(one_and_two, dataset):
 
 
 @pytest.mark.parametrize(
-    "model", ["mnist_cnn", "mnist_cnn_bn", "mnist_cnn_bn_fc --ema 0.9", "mnist_cnn_bn --lookahead"]
+    "model",
+    [
+        pytest.param("mnist_cnn", marks=pytest.mark.readme),
+        "mnist_cnn_bn",
+        "mnist_cnn_bn_fc --ema 0.9",
+        "mnist_cnn_bn --lookahead",
+    ],
 )
 def test_resume_mid_epoch_equals_an_uninterrupted_run(dataset, tmp_path, model):
     # with batch norm each rank's running statistics are its own until they are averaged, which happens at

@@ -72,6 +72,7 @@ def data_dir(tmp_path_factory) -> Path:
     return make_dataset(tmp_path_factory.mktemp("data") / "mnist", n_train=4096, n_test=1000)
 
 
+@pytest.mark.readme
 def test_sigterm_mid_epoch_and_during_evaluation_then_resume_equals_uninterrupted(tmp_path, data_dir):
     """SIGTERM twice: to a real launcher mid-epoch, then (after resuming) to rank 1 alone while the workers
     evaluate, as srun or scancel may reach one node first; each time both workers stop at one step with a

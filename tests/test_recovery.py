@@ -168,6 +168,7 @@ def test_diverging_loss_stops_with_the_step_and_saves_no_bad_weights(tmp_path):
         assert all(np.isfinite(v.numpy()).all() for v in state["model"].values()), path.name
 
 
+@pytest.mark.readme
 def test_stopped_worker_ends_the_job_within_the_timeout(tmp_path):
     """SIGSTOP one worker: the other must not wait forever, and must name the rank that went quiet.
 
