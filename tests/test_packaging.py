@@ -80,3 +80,15 @@ def test_the_package_imports_from_any_folder(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert Path(proc.stdout.strip()).parent.name == "paddle_mnist"
+
+
+def test_every_way_to_install_for_the_cpu_gets_onednns_headers():
+    """pip install ".[cpu]" once installed Paddle without oneDNN's headers, so the trainer ran Paddle's own
+    convolutions (about half the speed) where requirements.txt gave the fast path: both must name the same."""
+    wanted = [
+        line.strip()
+        for line in (REPO / "requirements.txt").read_text().splitlines()
+        if line.startswith("onednn-devel-cpu-gomp")
+    ]
+    extras = toml((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert len(wanted) == 1 and wanted[0] in extras["cpu"], extras["cpu"]
