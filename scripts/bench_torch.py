@@ -270,6 +270,14 @@ def windowed(log: str, batch: int) -> list[float]:
     return [(s1 - s0) * batch / (t1 - t0) for (s0, t0), (s1, t1) in zip(points, points[1:]) if t1 > t0]
 
 
+def trainer_args(model: str, threads: int, plan: tuple[int, int], data: list[str], out: Path) -> list[str]:
+    """train.py and the flags every timed trainer run takes (the caller adds --batch-size)."""
+    steps, window = plan
+    args = [str(REPO / "train.py"), *data, "--model", model, "--cpu-threads", str(threads), "--timing-every", "0"]
+    args += ["--no-augment", "--max-steps", str(steps), "--log-every", str(window), "--eval-limit", "100"]
+    return args + ["--output-dir", str(out), "--overwrite"]
+
+
 def run_trainer(
     model: str, workers: int, threads: int, plan: tuple[int, int], data: list[str], work: Path, env: dict
 ) -> list[float]:
@@ -278,9 +286,7 @@ def run_trainer(
     shutil.rmtree(log_dir, ignore_errors=True)  # the launcher appends to an existing workerlog.N
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(workers)]
     launch += ["--log_dir", str(log_dir)]
-    cmd = (launch if workers > 1 else [sys.executable]) + [str(REPO / "train.py"), *data, "--model", model]
-    cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
-    cmd += ["--log-every", str(window), "--eval-limit", "100", "--output-dir", str(out), "--overwrite"]
+    cmd = (launch if workers > 1 else [sys.executable]) + trainer_args(model, threads, plan, data, out)
     cmd += ["--batch-size", str(PER_WORKER * workers)]  # as PyTorch's; cifar_fast's recipe would take 256
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     log = (log_dir / "workerlog.0").read_text() if workers > 1 else proc.stdout
@@ -307,10 +313,8 @@ def run_alone(
     steps, window = plan
     procs = []
     for i in range(workers):
-        cmd = [sys.executable, str(REPO / "train.py"), *data, "--model", model, "--seed", str(i + 1)]
-        cmd += ["--cpu-threads", str(threads), "--timing-every", "0", "--no-augment", "--max-steps", str(steps)]
-        cmd += ["--log-every", str(window), "--eval-limit", "100", "--output-dir", str(work / f"alone{i}")]
-        cmd += ["--overwrite", "--batch-size", str(PER_WORKER)]
+        cmd = [sys.executable, *trainer_args(model, threads, plan, data, work / f"alone{i}")]
+        cmd += ["--seed", str(i + 1), "--batch-size", str(PER_WORKER)]
         log = open(work / f"alone{i}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log))
     rates = []

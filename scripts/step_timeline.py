@@ -5,7 +5,7 @@
 
 The trainer's step without its machinery (no logging, checkpoints or input pipeline: fixed batches of 64 images,
 random values, the model built as the trainer builds it, oneDNN's operators, one thread a worker), run under
-paddle.distributed.launch in four modes, one after another, the order reversed every other round:
+paddle.distributed.launch in five modes, one after another, the order reversed every other round:
 
     none       no collective: N independent processes side by side (the limit)
     barrier    a one-value all-reduce after each backward pass: the cost of meeting, with nothing to carry
@@ -26,18 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from scripts.bench_torch import PER_WORKER, REPO
+
 MODES = ("none", "barrier", "allreduce", "dataparallel", "overlap")
 SKIP = 20  # warm-up steps left out of the medians
-PER_WORKER = 64
 
 
 def worker(args) -> None:
@@ -112,9 +114,6 @@ class GradientStream:
     the thread must take a core from a worker at each of the ring's hops (docs/performance.md)."""
 
     def __init__(self, net, world_size: int, bucket_bytes: int = 256 * 1024):
-        import queue
-        import threading
-
         self.world_size, self.buckets, size = world_size, [], bucket_bytes
         params = [p for p in net.parameters() if not p.stop_gradient]
         for p in reversed(params):  # backward meets the last layers first
@@ -123,7 +122,7 @@ class GradientStream:
                 size = 0
             self.buckets[-1].append(p)
             size += p.size * p.element_size()
-        self.todo, self.events = queue.Queue(), threading.Event
+        self.todo: queue.Queue = queue.Queue()
         self._reset()
         threading.Thread(target=self._carry, daemon=True).start()
         for b, members in enumerate(self.buckets):
@@ -132,7 +131,7 @@ class GradientStream:
 
     def _reset(self) -> None:
         self.missing = [len(b) for b in self.buckets]
-        self.flat, self.done = [None] * len(self.buckets), [self.events() for _ in self.buckets]
+        self.flat, self.done = [None] * len(self.buckets), [threading.Event() for _ in self.buckets]
 
     def _hook(self, b: int):
         def ready() -> None:
