@@ -8,21 +8,11 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from paddle_mnist.network import backbones
+from paddle_mnist.network import backbones, exact
 from paddle_mnist.network.dropout import Dropout
+from paddle_mnist.network.exact import add_channel_bias
 from paddle_mnist.network.heads import head_pool, head_scale, pooled, scaled
 from paddle_mnist.ops import onednn
-
-
-def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
-    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.
-
-    Paddle's CPU kernels broadcast a (1, C, 1, 1) bias along a slow path; a trailing (C, 1) takes the fast one, for
-    the add and for its gradient (docs/performance.md). The 0s in reshape keep the batch size as it comes, so the
-    exported model takes any batch.
-    """
-    _, c, h, w = x.shape
-    return (x.reshape([0, c, h * w]) + bias.reshape([c, 1])).reshape([0, c, h, w])
 
 
 class Conv2D(nn.Conv2D):
@@ -36,7 +26,7 @@ class Conv2D(nn.Conv2D):
 
     def convolve(self, x: paddle.Tensor) -> paddle.Tensor:
         """The convolution without the bias: oneDNN's where it is active (onednn.py), else F.conv2d."""
-        return onednn.conv2d(x, self.weight, **self.geometry)
+        return exact.conv2d(x, self.weight, **self.geometry)
 
     def add_bias(self, y: paddle.Tensor) -> paddle.Tensor:
         return y if self.bias is None else add_channel_bias(y, self.bias)
@@ -48,8 +38,26 @@ class Conv2D(nn.Conv2D):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.fused(x):
-            return onednn.conv2d(x, self.weight, bias=self.bias, **self.geometry)
+            return exact.conv2d(x, self.weight, bias=self.bias, **self.geometry)
         return self.add_bias(self.convolve(x))
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same names, same output) whose gradients a step sums in float64 where the
+    trainer asks it to (exact.py: N workers equal one process)."""
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        return exact.linear(x, self.weight, self.bias)
+
+
+def sums_exactly(model: nn.Layer) -> bool:
+    """Whether every trainable parameter of model is a Conv2D's or a Linear's here, whose gradients exact.py can
+    sum in float64 (no batch norm, whose statistics are each worker's own anyway)."""
+    for layer in model.sublayers(include_self=True):
+        own = [p for p in layer.parameters(include_sublayers=False) if not p.stop_gradient]
+        if own and not isinstance(layer, (Conv2D, Linear)):
+            return False
+    return True
 
 
 class MaxPool2D(nn.MaxPool2D):
@@ -130,7 +138,7 @@ class MnistCNN(nn.Layer):
         hidden: int = 0,
     ):
         super().__init__()
-        conv, pool = (nn.Conv2D, nn.MaxPool2D) if plain else (Conv2D, MaxPool2D)
+        conv, pool, dense = (nn.Conv2D, nn.MaxPool2D, nn.Linear) if plain else (Conv2D, MaxPool2D, Linear)
 
         def block(cin: int) -> list[nn.Layer]:
             if not batch_norm:
@@ -145,8 +153,8 @@ class MnistCNN(nn.Layer):
         self.head_pool, (rows, cols) = head_pool(height // 4, width // 4)
         features = 20 * rows * cols
         self.head_scale = head_scale(features, 20 * 7 * 7)  # a 28x28 image's map: 20 channels of 7x7
-        self.hidden = nn.Sequential(nn.Linear(features, hidden), nn.ReLU()) if hidden else None
-        self.fc = nn.Linear(hidden or features, num_classes)
+        self.hidden = nn.Sequential(dense(features, hidden), nn.ReLU()) if hidden else None
+        self.fc = dense(hidden or features, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         f = self.features
@@ -291,7 +299,7 @@ class CifarCNN(nn.Layer):
         self.head_pool, (height, width) = head_pool(height, width)
         self.head_scale = head_scale(64 * height * width, 64 * 5 * 5)  # a 28x28 image's map: 64 channels of 5x5
         self.classifier = nn.Sequential(
-            nn.Linear(64 * height * width, 512), nn.ReLU(), Dropout(0.5), nn.Linear(512, num_classes)
+            Linear(64 * height * width, 512), nn.ReLU(), Dropout(0.5), Linear(512, num_classes)
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:

@@ -466,6 +466,16 @@ def conv2d(
     return F.conv2d(x, weight, bias, stride=stride, padding=padding)
 
 
+@paddle.jit.not_to_static
+def conv2d_grad64(
+    x: paddle.Tensor, weight: paddle.Tensor, grad_out: paddle.Tensor, stride: int, padding: int, bias: bool
+) -> list[paddle.Tensor]:
+    """conv2d's backward pass where runs(x): the input's gradient in float32, the weights' (and the bias's) summed
+    over the batch in float64 (exact.py adds them up over micro-batches and workers before it rounds them)."""
+    op = _ops.onednn_conv2d_bias_grad64 if bias else _ops.onednn_conv2d_grad64
+    return op(x, weight, grad_out, stride, padding, not x.stop_gradient)
+
+
 def pools(x: paddle.Tensor, kernel: int, stride: int, padding: int, ceil_mode: bool) -> bool:
     """Whether max_pool2x2(x) computes F.max_pool2d(x, kernel, stride, padding, ceil_mode): a 2x2 window of stride
     2 without padding, in floor mode, where the operator runs (runs(x))."""

@@ -7,7 +7,7 @@ import math
 import os
 import pickle
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,6 +162,14 @@ def gradient_sync(model: paddle.nn.Layer, sync: bool):
     if sync or not isinstance(model, paddle.DataParallel):
         return contextlib.nullcontext()
     return model.no_sync()
+
+
+def sum_over_workers(model: paddle.nn.Layer) -> Callable[[paddle.Tensor], None]:
+    """What sums a tensor over the workers in place: an all-reduce where DataParallel wraps the model (more than
+    one worker), else nothing."""
+    if isinstance(model, paddle.DataParallel):
+        return lambda t: dist.all_reduce(t)
+    return lambda t: None
 
 
 def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:

@@ -18,7 +18,7 @@ from paddle_mnist.datasets import data
 from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import events
 from paddle_mnist.files.log import ProgressBar, memory_mb
-from paddle_mnist.network import dropout
+from paddle_mnist.network import dropout, exact
 from paddle_mnist.runtime.distributed import (
     DistEnv,
     all_reduce_max,
@@ -26,6 +26,7 @@ from paddle_mnist.runtime.distributed import (
     device_sync,
     gather_objects,
     gradient_sync,
+    sum_over_workers,
     unwrap,
 )
 from paddle_mnist.training import scores, timing
@@ -221,16 +222,21 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
     drops = dropout.layers(model)
     if timer:
         timer.begin()
+    sums = exact.Sums() if state.exact else None
     for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
         place = dropout.Place(cfg.seed, state.step, position, total)
         position += len(y)
-        with gradient_sync(model, i == k - 1):
+        with gradient_sync(model, i == k - 1 and sums is None), exact.summing(sums):
             with amp_context(cfg), dropout.placed(drops, place):
                 logits = model(x)
             if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
                 logits = logits.astype("float32")
-            loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-            part = loss / k if k > 1 else loss
+            if sums is None:
+                loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+                part = loss / k if k > 1 else loss
+            else:  # each image's loss weighs 1/(global batch) wherever it runs: the same gradient, to the bit
+                losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=cfg.label_smoothing)
+                loss, part = losses.mean(), losses.sum() * (1.0 / total)
             if timer:
                 timer.mark("forward")
             (scaler.scale(part) if scaler else part).backward()
@@ -238,6 +244,10 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
                 timer.mark("backward")
         loss_sums.append(loss.detach() * len(y))
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
+    if sums is not None:  # summed over the workers in float64, rounded once
+        sums.gradients(model.parameters(), sum_over_workers(model))
+        if timer:
+            timer.mark("backward")
     norm = None
     if cfg.clip_grad_norm:
         if scaler:

@@ -10,7 +10,8 @@ import paddle
 
 from paddle_mnist.config import FOLDER, Config, ConfigError, effective_lr
 from paddle_mnist.files import checkpoint
-from paddle_mnist.network.models import build_model
+from paddle_mnist.network.models import build_model, sums_exactly
+from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import distributed
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import rng
@@ -104,6 +105,9 @@ class TrainState:
         )
         self.untrained: dict[str, list] = {"model": [], "ema": []}  # every rank's statistics, from a stop's checkpoint
         self.lookahead = Lookahead(model) if cfg.lookahead else None
+        # a step's gradient summed in float64 (network/exact.py): where oneDNN's convolutions run in float32 and
+        # every trained layer can hand its gradient over in float64
+        self.exact = onednn.active() and cfg.amp == "off" and sums_exactly(model)
 
     @classmethod
     def create(

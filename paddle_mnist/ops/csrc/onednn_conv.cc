@@ -247,65 +247,101 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
 }
 
 // The weights' gradient (and the bias's, where bias_sum is given) of a batch, summed image by image in order
-// (WeightsByImage): src and diff_dst hold the batch in the primitive's layouts, image after image.
-void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff_dst, const memory& sum,
-                  float* bias_sum, int64_t batch) {
+// (WeightsByImage) in double: src and diff_dst hold the batch in the primitive's layouts, image after image, and
+// sum holds the weights' gradient in the layout the primitive chose. Each image's gradient is float32, as oneDNN
+// computes it; their sum in double is exact but for rounding 2^-29 of float32's, so it is the same number in
+// whatever order and grouping the images are added: the gradient of a batch split among workers or micro-batches,
+// added up in double too (exact.py), rounds to the float32 of one process.
+void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff_dst, std::vector<double>& sum,
+                  std::vector<double>* bias_sum, int64_t batch) {
   const float* src_data = static_cast<const float*>(src.get_data_handle());
   const float* diff_dst_data = static_cast<const float*>(diff_dst.get_data_handle());
-  float* sum_data = static_cast<float*>(sum.get_data_handle());
   const int64_t channels = w.image.weights[0];
   std::vector<float> one(w.weights_floats), one_bias(bias_sum != nullptr ? channels : 0);
+  sum.assign(w.weights_floats, 0.0);
+  if (bias_sum != nullptr) bias_sum->assign(channels, 0.0);
   memory image_src(w.pd.src_desc(), cpu_engine(), DNNL_MEMORY_NONE);
   memory image_diff_dst(w.pd.diff_dst_desc(), cpu_engine(), DNNL_MEMORY_NONE);
-  memory first(w.pd.diff_weights_desc(), cpu_engine(), sum_data);
-  memory next(w.pd.diff_weights_desc(), cpu_engine(), one.data());
+  memory image_weights(w.pd.diff_weights_desc(), cpu_engine(), one.data());
   for (int64_t i = 0; i < batch; ++i) {
     image_src.set_data_handle(const_cast<float*>(src_data + i * w.src_floats));
     image_diff_dst.set_data_handle(const_cast<float*>(diff_dst_data + i * w.diff_dst_floats));
     std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, image_src}, {DNNL_ARG_DIFF_DST, image_diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, i ? next : first}};
-    if (bias_sum != nullptr) {
-      args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(w.image), cpu_engine(), i ? one_bias.data() : bias_sum);
-    }
+        {DNNL_ARG_SRC, image_src}, {DNNL_ARG_DIFF_DST, image_diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, image_weights}};
+    if (bias_sum != nullptr) args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(w.image), cpu_engine(), one_bias.data());
     w.primitive.execute(cpu_stream(), args);
     cpu_stream().wait();
-    if (i == 0) continue;
-    for (size_t k = 0; k < w.weights_floats; ++k) sum_data[k] += one[k];
-    for (size_t k = 0; k < one_bias.size(); ++k) bias_sum[k] += one_bias[k];
+    for (size_t k = 0; k < one.size(); ++k) sum[k] += one[k];
+    for (size_t k = 0; k < one_bias.size(); ++k) (*bias_sum)[k] += one_bias[k];
   }
 }
 
-// The backward pass: the input's and the weights' gradients, and the bias's where the operator has one.
+// Writes sum (in the layout the weights' primitive chose) into Paddle's buffer dst, rounded to float32 (low false),
+// or what that rounding left over, rounded again (low true): the two add up to sum within 2^-48 of it.
+void write_weights(const Operand& operand, const std::vector<double>& sum, float* dst, bool low) {
+  memory written = operand.output(dst);
+  float* chosen = static_cast<float*>(written.get_data_handle());
+  for (size_t k = 0; k < sum.size(); ++k) {
+    const float high = static_cast<float>(sum[k]);
+    chosen[k] = low ? static_cast<float>(sum[k] - high) : high;
+  }
+  operand.finish(written, dst);
+}
+
+// The input's gradient (or zeros where the input takes none: the network's first layer, where nothing reads it).
+paddle::Tensor input_gradient(const Backward& p, const paddle::Tensor& x, const paddle::Tensor& w,
+                              const paddle::Tensor& grad_out, memory diff_dst, bool input_grad) {
+  if (!input_grad) return paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto grad_x = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+  float* grad_x_data = grad_x.data<float>();
+  if (!p.share_diff_dst) diff_dst = p.data_diff_dst.input(grad_out.data<float>());
+  memory diff_src = p.data_diff_src.output(grad_x_data);
+  p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, diff_dst},
+                                {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
+                                {DNNL_ARG_DIFF_SRC, diff_src}});
+  p.data_diff_src.finish(diff_src, grad_x_data);
+  cpu_stream().wait();
+  return grad_x;
+}
+
+// The backward pass: the input's and the weights' gradients, and the bias's where the operator has one; the
+// weights' and the bias's in float32 (wide false: the gradient operators) or in float64 (wide true: the sums
+// exact.py adds up across micro-batches and workers before it rounds them once).
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
-                                     int stride, int padding, bool input_grad, bool bias) {
+                                     int stride, int padding, bool input_grad, bool bias, bool wide) {
   check(grad_out, "the output's gradient");
   const auto plan = plan_for(x, w, stride, padding, bias, true);
   const Backward& p = *plan->bwd;
-  auto grad_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-  float* grad_w_data = grad_w.data<float>();
   memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
-  memory diff_weights = p.weights_diff_weights.output(grad_w_data);
-  paddle::Tensor grad_b;
-  if (bias) grad_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  sum_by_image(p.weights, p.weights_src.input(x.data<float>()), diff_dst, diff_weights,
-               bias ? grad_b.data<float>() : nullptr, x.shape()[0]);
-  p.weights_diff_weights.finish(diff_weights, grad_w_data);
-  paddle::Tensor grad_x;
-  if (input_grad) {
-    grad_x = paddle::empty(x.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
-    float* grad_x_data = grad_x.data<float>();
-    if (!p.share_diff_dst) diff_dst = p.data_diff_dst.input(grad_out.data<float>());
-    memory diff_src = p.data_diff_src.output(grad_x_data);
-    p.data.execute(cpu_stream(), {{DNNL_ARG_DIFF_DST, diff_dst},
-                                  {DNNL_ARG_WEIGHTS, p.data_weights.input(w.data<float>())},
-                                  {DNNL_ARG_DIFF_SRC, diff_src}});
-    p.data_diff_src.finish(diff_src, grad_x_data);
-  } else {  // the input takes no gradient (the network's first layer): nothing reads this
-    grad_x = paddle::full(x.shape(), 0.0, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  std::vector<double> sum, bias_sum;
+  sum_by_image(p.weights, p.weights_src.input(x.data<float>()), diff_dst, sum, bias ? &bias_sum : nullptr,
+               x.shape()[0]);
+  const auto type = wide ? paddle::DataType::FLOAT64 : paddle::DataType::FLOAT32;
+  auto grad_w = paddle::empty(w.shape(), type, paddle::CPUPlace());
+  if (wide) {
+    auto high = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+    auto low = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
+    write_weights(p.weights_diff_weights, sum, high.data<float>(), false);
+    write_weights(p.weights_diff_weights, sum, low.data<float>(), true);
+    cpu_stream().wait();
+    double* out = grad_w.data<double>();
+    for (int64_t k = 0; k < grad_w.numel(); ++k) {
+      out[k] = static_cast<double>(high.data<float>()[k]) + static_cast<double>(low.data<float>()[k]);
+    }
+  } else {
+    write_weights(p.weights_diff_weights, sum, grad_w.data<float>(), false);
   }
-  cpu_stream().wait();
-  if (bias) return {grad_x, grad_w, grad_b};
-  return {grad_x, grad_w};
+  paddle::Tensor grad_x = input_gradient(p, x, w, grad_out, diff_dst, input_grad);
+  if (!bias) return {grad_x, grad_w};
+  auto grad_b = paddle::empty({w.shape()[0]}, type, paddle::CPUPlace());
+  for (size_t k = 0; k < bias_sum.size(); ++k) {
+    if (wide) {
+      grad_b.data<double>()[k] = bias_sum[k];
+    } else {
+      grad_b.data<float>()[k] = static_cast<float>(bias_sum[k]);
+    }
+  }
+  return {grad_x, grad_w, grad_b};
 }
 
 }  // namespace
@@ -317,7 +353,7 @@ std::vector<paddle::Tensor> ConvForward(const paddle::Tensor& x, const paddle::T
 
 std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::Tensor& w,
                                          const paddle::Tensor& grad_out, int stride, int padding, bool input_grad) {
-  return backward(x, w, grad_out, stride, padding, input_grad, false);
+  return backward(x, w, grad_out, stride, padding, input_grad, false, false);
 }
 
 std::vector<paddle::Tensor> ConvBiasForward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
@@ -328,7 +364,7 @@ std::vector<paddle::Tensor> ConvBiasForward(const paddle::Tensor& x, const paddl
 std::vector<paddle::Tensor> ConvBiasBackward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
                                              const paddle::Tensor& grad_out, int stride, int padding,
                                              bool input_grad) {
-  return backward(x, w, grad_out, stride, padding, input_grad, true);
+  return backward(x, w, grad_out, stride, padding, input_grad, true, false);
 }
 
 std::vector<std::vector<int64_t>> ConvInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
@@ -377,6 +413,55 @@ PD_BUILD_GRAD_OP(onednn_conv2d_bias)
     .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B")})
     .Attrs({"stride: int", "padding: int", "input_grad: bool"})
     .SetKernelFn(PD_KERNEL(ConvBiasBackward));
+
+// The backward passes as operators of their own, with the weights' and the bias's gradients in float64: what
+// exact.py's layers call from their own backward pass, so that a step's sums over images, micro-batches and
+// workers are added in double and rounded to float32 once.
+std::vector<paddle::Tensor> ConvGrad64(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
+                                       int stride, int padding, bool input_grad) {
+  return backward(x, w, grad_out, stride, padding, input_grad, false, true);
+}
+
+std::vector<paddle::Tensor> ConvBiasGrad64(const paddle::Tensor& x, const paddle::Tensor& w,
+                                           const paddle::Tensor& grad_out, int stride, int padding, bool input_grad) {
+  return backward(x, w, grad_out, stride, padding, input_grad, true, true);
+}
+
+std::vector<std::vector<int64_t>> Grad64InferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                   const std::vector<int64_t>& grad_out) {
+  return {x, w};
+}
+
+std::vector<std::vector<int64_t>> BiasGrad64InferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                       const std::vector<int64_t>& grad_out) {
+  return {x, w, {w[0]}};
+}
+
+std::vector<paddle::DataType> Grad64InferDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                               const paddle::DataType& grad_out) {
+  return {x, paddle::DataType::FLOAT64};
+}
+
+std::vector<paddle::DataType> BiasGrad64InferDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                                   const paddle::DataType& grad_out) {
+  return {x, paddle::DataType::FLOAT64, paddle::DataType::FLOAT64};
+}
+
+PD_BUILD_OP(onednn_conv2d_grad64)
+    .Inputs({"X", "W", "GradOut"})
+    .Outputs({"GradX", "GradW"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ConvGrad64))
+    .SetInferShapeFn(PD_INFER_SHAPE(Grad64InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(Grad64InferDtype));
+
+PD_BUILD_OP(onednn_conv2d_bias_grad64)
+    .Inputs({"X", "W", "GradOut"})
+    .Outputs({"GradX", "GradW", "GradB"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .SetKernelFn(PD_KERNEL(ConvBiasGrad64))
+    .SetInferShapeFn(PD_INFER_SHAPE(BiasGrad64InferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(BiasGrad64InferDtype));
 
 // A counter as a one-element int64 tensor: the counting operators below take an input only because a custom
 // operator must; it is not read.

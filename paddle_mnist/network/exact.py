@@ -1,0 +1,187 @@
+"""A step's gradient summed in float64: the same float32 weights whether its images ran in one batch, in
+micro-batches (--accum-steps) or on N workers.
+
+An image's output and input gradient are the same bits in any batch: the oneDNN convolutions and the max-pools run
+the same kernels per image whatever the batch's size (tests/test_onednn.py), and the dense layers here multiply in
+float64 (products of float32 values are exact there, their sums round 2^-29 of float32's), where Paddle's float32
+matrix products add in an order that changes with the number of rows (MKL's AVX2 kernels do). What a batch split
+changes is only how the images' gradients are grouped when their sums are added: float32 rounds each grouping
+differently, by 1e-7 of the gradient, and training can amplify that where a value sits within rounding of a
+max-pool's tie or ReLU's 0 (docs/training.md). So the layers below hand their weights' and biases' gradients over
+in float64: the convolutions' summed image by image (csrc/onednn_conv.cc, onednn_conv2d_grad64), the dense layers'
+and the bias adds' by float64 matrix products and sums. Summing collects them over a step's micro-batches; the
+trainer all-reduces the collected sums over the workers in float64 and rounds each to float32 once
+(Sums.gradients). The float64 rounding of a sum differs with its order by about 1e-16 of it, which reaches the
+rounded float32 only where the sum falls that close to a float32 rounding boundary.
+
+    summing(sums)       inside, the layers below add their float64 gradients to sums
+    active()            whether a Sums collects now
+    conv2d, linear, add_channel_bias
+                        what models.Conv2D and models.Linear call: onednn.conv2d, F.linear and the bias add,
+                        and while a Sums collects, the same outputs with gradients handed over in float64
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import paddle
+import paddle.nn.functional as F
+from paddle.autograd import PyLayer
+
+from paddle_mnist.ops import onednn
+
+_sums: Sums | None = None
+
+
+class Sums:
+    """Each parameter's gradient over one step's images in float64, as the layers' backward passes hand it over."""
+
+    def __init__(self) -> None:
+        self.by_param: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}
+
+    def add(self, param: paddle.Tensor, grad: paddle.Tensor) -> None:
+        if param.stop_gradient:
+            return
+        kept = self.by_param.get(id(param))
+        self.by_param[id(param)] = (param, grad if kept is None else kept[1] + grad)
+
+    def gradients(self, params: list, all_reduce: Callable[[paddle.Tensor], None]) -> None:
+        """Set every trainable parameter's gradient to its sum over the step's images on all workers, rounded to
+        float32 once: all_reduce sums one float64 buffer over the workers in place. A trainable parameter without a
+        float64 sum is a layer outside this module, whose float32 gradient would break the promise: RuntimeError."""
+        trainable = [p for p in params if not p.stop_gradient and p.grad is not None]
+        missing = [p.name for p in trainable if id(p) not in self.by_param]
+        if missing or not trainable:
+            raise RuntimeError(f"no float64 gradient sum for the parameters {missing} (a layer outside exact.py)")
+        flat = paddle.concat([self.by_param[id(p)][1].reshape([-1]) for p in trainable])
+        all_reduce(flat)
+        rounded = flat.astype("float32")
+        offset = 0
+        for p in trainable:
+            n = int(p.size)
+            paddle.assign(rounded[offset : offset + n].reshape(p.shape), output=p.grad)
+            offset += n
+
+
+@contextlib.contextmanager
+def summing(sums: Sums | None) -> Iterator[None]:
+    """The layers below add their float64 gradients to sums inside (nothing changes with None)."""
+    global _sums
+    kept, _sums = _sums, sums if sums is not None else _sums
+    try:
+        yield
+    finally:
+        _sums = kept
+
+
+@paddle.jit.not_to_static  # False while paddle.jit.save traces the network: it gets Paddle's own layers
+def active() -> bool:
+    return _sums is not None and paddle.in_dynamic_mode() and paddle.is_grad_enabled()
+
+
+def _hand_over(param: paddle.Tensor, grad: paddle.Tensor) -> paddle.Tensor | None:
+    """The float64 gradient to the step's Sums; its float32 rounding to autograd (Sums.gradients replaces it)."""
+    if param.stop_gradient:
+        return None
+    if _sums is not None:
+        _sums.add(param, grad)
+    return grad.astype("float32")
+
+
+def _wide(t: paddle.Tensor) -> paddle.Tensor:
+    return t.astype("float64")
+
+
+def _channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
+    _, c, h, w = x.shape
+    return (x.reshape([0, c, h * w]) + bias.reshape([c, 1])).reshape([0, c, h, w])
+
+
+class _Linear(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.bias = bias
+        return (paddle.matmul(_wide(x), _wide(weight)) + _wide(bias)).astype("float32")
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensor()
+        g = _wide(grad_out)
+        grad_x = None if x.stop_gradient else paddle.matmul(g, _wide(weight), transpose_y=True).astype("float32")
+        grad_w = _hand_over(weight, paddle.matmul(_wide(x), g, transpose_x=True))
+        return grad_x, grad_w, _hand_over(ctx.bias, g.sum(axis=0))
+
+
+class _ChannelBias(PyLayer):
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.bias = bias
+        return _channel_bias(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out, _hand_over(ctx.bias, _wide(grad_out).sum(axis=[0, 2, 3]))
+
+
+class _Conv(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, stride, padding):
+        ctx.save_for_backward(x, weight)
+        ctx.geometry = (stride, padding)
+        return onednn.conv2d(x, weight, stride, padding)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensor()
+        grad_x, grad_w = onednn.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
+        return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w)
+
+
+class _ConvBias(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding):
+        ctx.save_for_backward(x, weight)
+        ctx.geometry, ctx.bias = (stride, padding), bias
+        return onednn.conv2d(x, weight, stride, padding, bias=bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensor()
+        grad_x, grad_w, grad_b = onednn.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=True)
+        return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w), _hand_over(ctx.bias, grad_b)
+
+
+@paddle.jit.not_to_static
+def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
+    """F.linear(x, weight, bias); while a Sums collects, multiplied in float64 and rounded once (each row's result
+    the same bits whatever the rows around it), the gradients handed over in float64."""
+    if active() and bias is not None:
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+@paddle.jit.not_to_static
+def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
+    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.
+
+    Paddle's CPU kernels broadcast a (1, C, 1, 1) bias along a slow path; a trailing (C, 1) takes the fast one, for
+    the add and for its gradient (docs/performance.md). The 0s in reshape keep the batch size as it comes, so the
+    exported model takes any batch. While a Sums collects, the bias's gradient is handed over in float64.
+    """
+    if active():
+        return _ChannelBias.apply(x, bias)
+    return _channel_bias(x, bias)
+
+
+@paddle.jit.not_to_static
+def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias=None) -> paddle.Tensor:
+    """onednn.conv2d; while a Sums collects and the operator runs x, the weights' (and bias's) gradient handed over
+    in float64."""
+    if not (active() and onednn.runs(x)):
+        return onednn.conv2d(x, weight, stride, padding, bias=bias)
+    if bias is None:
+        return _Conv.apply(x, weight, stride, padding)
+    return _ConvBias.apply(x, weight, bias, stride, padding)
