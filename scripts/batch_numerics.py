@@ -3,16 +3,20 @@
     python -m scripts.batch_numerics --dataset fashion-mnist --model mnist_cnn --batch-size 96 --parts 3 --steps 6
 
 Trains --steps steps of the model's recipe in this process (the operators of --conv-backend auto), so that the
-activations are a trained network's, then records the input of every convolution and 2x2 max-pool of one forward
-pass over the next batch. Each recorded operator then runs alone on that batch whole and on its --parts parts
-(the batch of one process against the micro-batches of --accum-steps or the shares of workers), with one fixed
-gradient for its output; and then the whole model's gradient, whole against parts. Each line gives the largest
-difference relative to the largest value:
+activations are a trained network's, then records the input of every convolution, 2x2 max-pool and dense layer of
+one forward pass over the next batch. Each recorded operator then runs alone on that batch whole and on its
+--parts parts (the batch of one process against the micro-batches of --accum-steps or the shares of workers),
+with one fixed gradient for its output; and then the whole model's gradient, whole against parts. Each line gives
+the largest difference relative to the largest value:
 
     output, input gradient   per image: 0 means an image's result does not depend on the batch around it
-    weight, bias gradient    sums over the batch: whole against the parts' sums added in order; rounding only,
-                             of the size Paddle's own convolution shows (its column)
-    against Paddle           the operator's whole-batch result against F.conv2d's or F.max_pool2d's
+    weight, bias gradient    sums over the batch: whole against the parts' sums added up; ours (the oneDNN
+                             operators, and exact.linear for the dense layers) in float64 as the trainer adds them
+                             (network/exact.py), both rounded to float32 once; Paddle's in float32
+    against Paddle           the operator's whole-batch result against F.conv2d's, F.max_pool2d's or F.linear's
+
+The model's gradient is compared three ways: as the trainer sums it (float64, rounded once), with the oneDNN
+operators' float32 results added in float32 (as the models with batch norm add them), and with Paddle's layers.
 
 Run it with ONEDNN_MAX_CPU_ISA=AVX2 to see the kernels of a processor without AVX-512 on one that has it.
 """
@@ -32,7 +36,7 @@ import paddle.nn.functional as F
 
 from paddle_mnist import config
 from paddle_mnist.datasets import data
-from paddle_mnist.network import dropout
+from paddle_mnist.network import dropout, exact
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu
 from paddle_mnist.runtime.distributed import DistEnv
@@ -56,8 +60,9 @@ class Call:
 
 @contextlib.contextmanager
 def recording(calls: list[Call]) -> Iterator[None]:
-    """Record every onednn.conv2d and onednn.max_pool2x2 call made inside (models.Conv2D and MaxPool2D call them)."""
-    conv2d, pool = onednn.conv2d, onednn.max_pool2x2
+    """Record every onednn.conv2d, onednn.max_pool2x2 and exact.linear call made inside (models.Conv2D, MaxPool2D
+    and Linear call them)."""
+    conv2d, pool, linear = onednn.conv2d, onednn.max_pool2x2, exact.linear
 
     def conv_and_note(x, weight, stride, padding, bias=None):
         b = None if bias is None else bias.numpy()
@@ -68,29 +73,41 @@ def recording(calls: list[Call]) -> Iterator[None]:
         calls.append(Call("pool", x.numpy()))
         return pool(x)
 
-    onednn.conv2d, onednn.max_pool2x2 = conv_and_note, pool_and_note
+    def linear_and_note(x, weight, bias):
+        calls.append(Call("linear", x.numpy(), weight.numpy(), bias.numpy()))
+        return linear(x, weight, bias)
+
+    onednn.conv2d, onednn.max_pool2x2, exact.linear = conv_and_note, pool_and_note, linear_and_note
     try:
         yield
     finally:
-        onednn.conv2d, onednn.max_pool2x2 = conv2d, pool
+        onednn.conv2d, onednn.max_pool2x2, exact.linear = conv2d, pool, linear
 
 
-def results(call: Call, run: Callable, x: np.ndarray, grad: np.ndarray) -> list[np.ndarray]:
-    """run's output for the batch x, and the gradients of sum(output * grad) for x, the weight and the bias."""
+def results(call: Call, run: Callable, x: np.ndarray, grad: np.ndarray, wide: bool = False) -> list[np.ndarray]:
+    """run's output for the batch x, and the gradients of sum(output * grad) for x, the weight and the bias; with
+    wide, the weight's and the bias's as exact.py hands them over, in float64."""
     inputs = [paddle.to_tensor(x, stop_gradient=False)]
     inputs += [paddle.to_tensor(t, stop_gradient=False) for t in (call.weight, call.bias) if t is not None]
-    y = run(*inputs)
-    (y * paddle.to_tensor(grad)).sum().backward()
-    return [y.numpy()] + [t.grad.numpy() for t in inputs]
+    sums = exact.Sums() if wide else None
+    with exact.summing(sums):
+        y = run(*inputs)
+        (y * paddle.to_tensor(grad)).sum().backward()
+    if sums is None:
+        return [y.numpy()] + [t.grad.numpy() for t in inputs]
+    return [y.numpy(), inputs[0].grad.numpy()] + [sums.by_param[id(t)][1].numpy() for t in inputs[1:]]
 
 
 def operators(call: Call, backend: str) -> Callable:
-    """The operator of the call by oneDNN (backend "onednn") or by Paddle."""
+    """The operator of the call by oneDNN (backend "onednn"; a dense layer: exact.linear's float64 products) or by
+    Paddle."""
+    if call.kind == "linear":
+        return exact.linear if backend == "onednn" else F.linear
     if call.kind == "pool":
         return onednn.max_pool2x2 if backend == "onednn" else (lambda x: F.max_pool2d(x, 2, 2))
     s, p = call.stride, call.padding
     if backend == "onednn":
-        return lambda x, w, b=None: onednn.conv2d(x, w, s, p, b)
+        return lambda x, w, b=None: exact.conv2d(x, w, s, p, b)
     return lambda x, w, b=None: F.conv2d(x, w, b, stride=s, padding=p)
 
 
@@ -99,23 +116,22 @@ def relative(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def whole_against_parts(call: Call, backend: str, parts: int, grad: np.ndarray) -> list[float]:
-    """Relative differences of each result (output, input gradient, then the parameters' gradients)."""
-    run = operators(call, backend)
-    whole = results(call, run, call.x, grad)
-    pieces = [results(call, run, x, g) for x, g in zip(np.array_split(call.x, parts), np.array_split(grad, parts))]
+    """Relative differences of each result (output, input gradient, then the parameters' gradients). The parts'
+    parameter gradients are added as a step adds them: in float32 for Paddle's; for ours in float64 (exact.py),
+    both sides rounded to float32 once at the end."""
+    run, wide = operators(call, backend), backend == "onednn"
+    whole = results(call, run, call.x, grad, wide)
+    split = zip(np.array_split(call.x, parts), np.array_split(grad, parts))
+    pieces = [results(call, run, x, g, wide) for x, g in split]
     joined = [np.concatenate([p[i] for p in pieces]) for i in (0, 1)]
-    summed = []
-    for i in range(2, len(whole)):
-        total = pieces[0][i].copy()
-        for p in pieces[1:]:
-            total += p[i]
-        summed.append(total)
-    return [relative(w, p) for w, p in zip(whole, joined + summed)]
+    summed = [np.sum([p[i] for p in pieces], axis=0) for i in range(2, len(whole))]
+    rounded = [t.astype(np.float32) for t in whole[2:] + summed]
+    return [relative(w, p) for w, p in zip(whole[:2] + rounded[: len(summed)], joined + rounded[len(summed) :])]
 
 
 def operator_table(calls: list[Call], parts: int) -> list[str]:
     names = ("output", "input gradient", "weight gradient", "bias gradient")
-    lines = ["| operator | result | oneDNN: whole vs parts | Paddle: whole vs parts | oneDNN vs Paddle |"]
+    lines = ["| operator | result | ours: whole vs parts | Paddle: whole vs parts | ours vs Paddle |"]
     lines.append("|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for k, call in enumerate(calls):
@@ -127,7 +143,7 @@ def operator_table(calls: list[Call], parts: int) -> list[str]:
             relative(a, b)
             for a, b in zip(
                 results(call, operators(call, "paddle"), call.x, grad),
-                results(call, operators(call, "onednn"), call.x, grad),
+                results(call, operators(call, "onednn"), call.x, grad, wide=True),
             )
         ]
         what = f"{call.kind} {k}: {'x'.join(map(str, call.x.shape))}"
@@ -138,18 +154,23 @@ def operator_table(calls: list[Call], parts: int) -> list[str]:
     return lines
 
 
-def model_gradients(state, images, labels, cfg, parts: int) -> dict[str, np.ndarray]:
+def model_gradients(state, images, labels, cfg, parts: int, wide: bool) -> dict[str, np.ndarray]:
     """The gradient of the batch's mean loss, from the whole batch (parts=1) or from its parts added up, as
-    --accum-steps adds them (each part's mean loss divided by the number of parts)."""
+    --accum-steps adds them: in float32, each part's mean loss divided by the number of parts; with wide as the
+    trainer does (engine.train_step), each image's loss weighing 1/(batch) and the sums in float64 (exact.py)."""
     model = state.model
     drops = dropout.layers(model)
     position = 0
+    sums = exact.Sums() if wide else None
     for x, y in zip(np.array_split(images, parts), np.array_split(labels, parts)):
-        with dropout.placed(drops, dropout.Place(cfg.seed, state.step, position, len(labels))):
-            logits = model(paddle.to_tensor(x))
-        position += len(y)
-        loss = F.cross_entropy(logits, paddle.to_tensor(y), label_smoothing=cfg.label_smoothing)
-        (loss / parts if parts > 1 else loss).backward()
+        with exact.summing(sums):
+            with dropout.placed(drops, dropout.Place(cfg.seed, state.step, position, len(labels))):
+                logits = model(paddle.to_tensor(x))
+            position += len(y)
+            losses = F.cross_entropy(logits, paddle.to_tensor(y), reduction="none", label_smoothing=cfg.label_smoothing)
+            (losses.sum() * (1.0 / len(labels)) if wide else losses.mean() / parts).backward()
+    if sums is not None:
+        sums.gradients(model.parameters(), lambda t: None)
     grads = {p.name: p.grad.numpy().copy() for p in model.parameters() if p.grad is not None}
     state.opt.clear_grad()
     return grads
@@ -194,11 +215,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model} on {args.dataset} after {args.steps} steps: batch {len(labels)} against {args.parts} parts")
     print("\n".join(operator_table(calls, args.parts)))
     print("\n| backend | parameter | whole vs parts (largest difference / largest value) |\n|---|---|---|")
-    for backend in ("onednn", "paddle"):
+    for backend, wide in (
+        ("onednn, float64 sums (the trainer's)", True),
+        ("onednn, float32", False),
+        ("paddle", False),
+    ):
         if backend == "paddle":
             onednn.deactivate()
-        whole = model_gradients(state, images, labels, cfg, 1)
-        split = model_gradients(state, images, labels, cfg, args.parts)
+        whole = model_gradients(state, images, labels, cfg, 1, wide)
+        split = model_gradients(state, images, labels, cfg, args.parts, wide)
         for name in whole:
             print(f"| {backend} | {name} | {relative(whole[name], split[name]):.1e} |")
     return 0

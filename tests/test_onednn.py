@@ -97,10 +97,11 @@ def per_image(run, x: np.ndarray, grad: np.ndarray, *params: np.ndarray) -> list
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=[f"{g[1]}x{g[2]}-k{g[4]}s{g[5]}p{g[6]}" for g in GEOMETRIES])
 def test_an_images_results_do_not_depend_on_the_batch_around_it(op, geometry, bias, threads):
     """Each image's output and input gradient are the same bits in a batch as alone, and the weights' and the bias's
-    gradients of a batch are its images' gradients added in order, on 1 thread as on 2: a batch split among
-    workers or micro-batches sums the same per-image numbers as one process (docs/training.md, "N workers equal
-    one process"). oneDNN's kernels for a whole batch sum it in an order of their own, which changed with the
-    batch's size and rounded 20 times more than this."""
+    gradients of a batch are its images' gradients summed in float64 and rounded once, on 1 thread as on 2; the
+    float64 operators hand that sum over unrounded (exact.py adds them up over micro-batches and workers): a
+    batch split among workers or micro-batches sums the same per-image numbers as one process (docs/training.md,
+    "N workers equal one process"). oneDNN's kernels for a whole batch sum it in an order of their own, which
+    changed with the batch's size and rounded 20 times more than Paddle's convolution."""
     n, c, side, out, kernel, stride, padding = geometry
     n = max(n, 3)
     rng = np.random.default_rng(side * kernel + c)
@@ -122,11 +123,19 @@ def test_an_images_results_do_not_depend_on_the_batch_around_it(op, geometry, bi
         onednn.set_openmp_threads(before)
     for k, name in enumerate(("output", "input gradient")):
         assert np.array_equal(batch[k], np.concatenate([a[k] for a in alone])), name
+    wide = grad64(op, x, grad, params, stride, padding)
     for k, name in zip(range(2, len(batch)), ("weight gradient", "bias gradient")):
-        summed = alone[0][k].copy()
-        for a in alone[1:]:
-            summed += a[k]  # float32, image after image
-        assert np.array_equal(batch[k], summed), name
+        summed = np.sum([a[k].astype(np.float64) for a in alone], axis=0)  # exact but for float64's rounding
+        assert np.array_equal(batch[k], summed.astype(np.float32)), name  # rounded once
+        assert wide[k - 1].dtype == np.float64, name
+        np.testing.assert_allclose(wide[k - 1], summed, rtol=2.0**-46, atol=0, err_msg=f"{name} in float64")
+
+
+def grad64(op, x, grad, params, stride, padding) -> list[np.ndarray]:
+    """onednn_conv2d(_bias)_grad64's input gradient and the weights' (and bias's) in float64, for the batch x."""
+    wide = op.onednn_conv2d_bias_grad64 if len(params) == 2 else op.onednn_conv2d_grad64
+    out = wide(paddle.to_tensor(x), paddle.to_tensor(params[0]), paddle.to_tensor(grad), stride, padding, True)
+    return [t.numpy() for t in out]
 
 
 def test_a_pooled_images_results_do_not_depend_on_the_batch_around_it(op):
@@ -141,24 +150,24 @@ def test_a_pooled_images_results_do_not_depend_on_the_batch_around_it(op):
 
 
 def test_the_batch_numerics_script_finds_each_images_results_unchanged_by_its_batch(op):
-    """scripts/batch_numerics.py on a trained mnist_cnn and real Fashion-MNIST: every operator's output and input
-    gradient the same bits in a batch of 24 as in its 3 parts, the weights' gradients and the model's apart by
-    rounding only."""
+    """scripts/batch_numerics.py on a trained mnist_cnn and real Fashion-MNIST: every operator's output, input
+    gradient and (summed in float64, rounded once) weights' gradient the same bits in a batch of 24 as in its 3
+    parts, and the model's gradient as the trainer sums it; summed in float32, apart by rounding only."""
     cmd = [sys.executable, "-m", "scripts.batch_numerics", "--steps", "2", "--batch-size", "24", "--parts", "3"]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, explain(proc)
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in proc.stdout.splitlines()]
-    operators = [r for r in rows if r and r[0].startswith(("conv", "pool"))]
-    # the two blocks of mnist_cnn: a convolution (its bias added after the pool), then the pool
+    operators = [r for r in rows if r and r[0].startswith(("conv", "pool", "linear"))]
+    # the two blocks of mnist_cnn: a convolution (its bias added after the pool), then the pool; then the dense layer
     blocks = ["output", "input gradient", "weight gradient"] + ["output", "input gradient"]
-    assert [r[1] for r in operators] == blocks * 2, operators
-    for what, result, ours, _, _ in operators:
-        if result in ("output", "input gradient"):
-            assert float(ours) == 0, (what, result)
-        else:
-            assert float(ours) < 1e-5, (what, result)
-    model = [r for r in rows if len(r) == 3 and r[0] in ("onednn", "paddle")]
-    assert len(model) == 12 and all(float(r[2]) < 1e-5 for r in model), model
+    dense = ["output", "input gradient", "weight gradient", "bias gradient"]
+    assert [r[1] for r in operators] == blocks * 2 + dense, operators
+    for what, result, ours, _, _ in operators:  # ours: the weights' sums in float64 as the trainer adds them
+        assert float(ours) == 0, (what, result)
+    model = [r for r in rows if len(r) == 3 and r[0].startswith(("onednn", "paddle"))]
+    assert len(model) == 18 and all(float(r[2]) < 1e-5 for r in model), model
+    trainers = [r for r in model if "float64" in r[0]]
+    assert len(trainers) == 6 and all(float(r[2]) == 0 for r in trainers), trainers
 
 
 @pytest.mark.parametrize("through", ["conv2d", "max_pool2x2"])

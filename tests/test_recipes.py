@@ -178,11 +178,11 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
     assert two.returncode == 0, explain(two, tmp_path / "log")
     assert "batch: 48 per worker (3 micro-batches of 16), 96 global" in worker_log(tmp_path / "log", 1)
     a, b = weights(tmp_path / "one" / "model.pdparams"), weights(tmp_path / "two" / "model.pdparams")
-    # MKL's AVX2 kernels (which the trainer turns on for AMD processors) group a GEMM's sums by the batch's
-    # shape, so micro-batches of 16 and batches of 96 round differently: over these 20 steps the weights drift
-    # apart by up to 3e-4. A loss not divided by the micro-batches moves them by 0.1 (tried), 100 times more.
+    # The step's sums in float64, rounded once (network/exact.py): the same bits. Summed in float32, MKL's AVX2
+    # kernels (which the trainer turns on) grouped a GEMM's sums by the batch's shape, and the weights drifted
+    # apart by up to 3e-4 over these 20 steps; a loss not divided by the micro-batches moved them by 0.1.
     for name in a:
-        np.testing.assert_allclose(b[name], a[name], atol=1e-3, rtol=0, err_msg=name)
+        assert np.array_equal(b[name], a[name]), f"{name}: {float(np.abs(b[name] - a[name]).max()):.2g} apart"
     assert not np.allclose(a["fc.weight"], 0)
 
 

@@ -102,13 +102,13 @@ def _channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
 class _Linear(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.bias = bias
+        ctx.save_for_backward(x)
+        ctx.weight, ctx.bias = weight, bias  # the parameters themselves: Sums knows them by identity
         return (paddle.matmul(_wide(x), _wide(weight)) + _wide(bias)).astype("float32")
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensor()
+        (x,), weight = ctx.saved_tensor(), ctx.weight
         g = _wide(grad_out)
         grad_x = None if x.stop_gradient else paddle.matmul(g, _wide(weight), transpose_y=True).astype("float32")
         grad_w = _hand_over(weight, paddle.matmul(_wide(x), g, transpose_x=True))
@@ -129,13 +129,13 @@ class _ChannelBias(PyLayer):
 class _Conv(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, stride, padding):
-        ctx.save_for_backward(x, weight)
-        ctx.geometry = (stride, padding)
+        ctx.save_for_backward(x)
+        ctx.geometry, ctx.weight = (stride, padding), weight
         return onednn.conv2d(x, weight, stride, padding)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensor()
+        (x,), weight = ctx.saved_tensor(), ctx.weight
         grad_x, grad_w = onednn.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
         return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w)
 
@@ -143,13 +143,13 @@ class _Conv(PyLayer):
 class _ConvBias(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding):
-        ctx.save_for_backward(x, weight)
-        ctx.geometry, ctx.bias = (stride, padding), bias
+        ctx.save_for_backward(x)
+        ctx.geometry, ctx.weight, ctx.bias = (stride, padding), weight, bias
         return onednn.conv2d(x, weight, stride, padding, bias=bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensor()
+        (x,), weight = ctx.saved_tensor(), ctx.weight
         grad_x, grad_w, grad_b = onednn.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=True)
         return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w), _hand_over(ctx.bias, grad_b)
 

@@ -276,13 +276,20 @@ def prepare(backend: str) -> Prepared:
     return Prepared(backend, library, seconds)
 
 
+_loaded: dict[str, object] = {}  # library path -> its module: Paddle registers a library's operators once a process
+
+
 def load(library: Path):
-    """Register the operators from their library and return their Python module."""
+    """Register the operators from their library and return their Python module (the same one on a second call:
+    a second registration would find no new operators)."""
     from paddle.utils.cpp_extension import extension_utils
 
+    if str(library) in _loaded:
+        return _loaded[str(library)]
     with tempfile.TemporaryDirectory() as scratch:  # the generated Python wrapper is read once, at import
         names = extension_utils.load_op_meta_info_and_register_op(str(library))
         module = extension_utils._generate_python_module(NAME, names, scratch)
+    _loaded[str(library)] = module
     return module
 
 

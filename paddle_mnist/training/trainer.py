@@ -334,6 +334,11 @@ def train_and_evaluate(
     start = _start(cfg, env, log, stop, resumed)
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, start)
     table = _log_model(cfg, env, log, ds, state.model)
+    if state.exact:
+        log.info(
+            "gradients: each step's summed in float64 and rounded once (network/exact.py): any number of workers "
+            "or --accum-steps trains the weights of one process, to the bit"
+        )
     if resumed:
         contents = checkpoint.load(resumed)
         if warning := state.restore(contents, resumed, env):

@@ -10,9 +10,12 @@
 // kept by its first backward pass (PlanCache), so a training step only executes them; a forward pass without one
 // (evaluation) makes them for its call.
 
+#include <dlfcn.h>
+
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <unordered_map>
 #include <vector>
 
@@ -26,9 +29,11 @@ using namespace paddle_mnist;  // NOLINT: the shared helpers of onednn_common.h
 struct Geometry {
   Dims src, weights, dst, strides, pad_left, pad_right;
   bool bias;
+  bool serial = false;  // the weights' gradient of each image on one thread (WeightsByImage)
   bool operator<(const Geometry& other) const {
-    return std::tie(src, weights, dst, strides, pad_left, pad_right, bias) <
-           std::tie(other.src, other.weights, other.dst, other.strides, other.pad_left, other.pad_right, other.bias);
+    return std::tie(src, weights, dst, strides, pad_left, pad_right, bias, serial) <
+           std::tie(other.src, other.weights, other.dst, other.strides, other.pad_left, other.pad_right, other.bias,
+                    other.serial);
   }
   Dims bias_dims() const { return {weights[0]}; }
 };
@@ -96,15 +101,48 @@ memory::desc with_batch(const Dims& dims, memory::format_tag tag) {
 }
 
 // The weights' gradient is summed image by image: a primitive made for a batch of one runs on each image in turn,
-// and each image's gradient is added to the sum of those before it, in the batch's order. oneDNN's kernels for a
-// whole batch sum over it in an order of their own, which changes with the batch's size and with how its images are
-// split among threads, in long running sums that round more than Paddle's convolution, which also adds one image at
-// a time (docs/training.md, "N workers equal one process"). So an image's gradient is the same bits in any batch,
-// as its output and its input's gradient are, and a batch split among workers or micro-batches adds up the same
-// numbers as one process. The primitive may split one image's work among threads; tests/test_onednn.py checks that
-// an image's gradient is the same on 1 thread and on 2.
+// and each image's gradient is added to a sum in double (sum_by_image). oneDNN's kernels for a whole batch sum over
+// it in an order of their own, which changes with the batch's size and with how its images are split among
+// threads, in long running sums that round more than Paddle's convolution, which also adds one image at a time
+// (docs/training.md, "N workers equal one process"). So an image's gradient is the same bits in any batch (and,
+// for exact.py's sums, on any number of threads: WeightsByImage), as its output and its input's gradient are, and
+// a batch split among workers or micro-batches adds up the same numbers as one process (tests/test_onednn.py).
+
+// The OpenMP threads of the calling thread's next parallel regions, which oneDNN reads as it makes and runs a
+// primitive, set to n in every OpenMP runtime loaded (GNU's, which libdnnl.so.3 is linked against, and Intel's,
+// which MKL brings and which can serve oneDNN's calls in its place: onednn.set_openmp_threads sets both too), and
+// restored when this goes out of scope; n <= 0 changes nothing. A runtime that is not loaded is left alone.
+class OpenMPThreads {
+ public:
+  explicit OpenMPThreads(int n) {
+    if (n <= 0) return;
+    for (const char* name : {"libgomp.so.1", "libiomp5.so"}) {
+      void* runtime = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+      if (runtime == nullptr) continue;
+      auto get = reinterpret_cast<int (*)()>(dlsym(runtime, "omp_get_max_threads"));
+      auto set = reinterpret_cast<void (*)(int)>(dlsym(runtime, "omp_set_num_threads"));
+      dlclose(runtime);  // loaded before this library and kept: the functions stay valid
+      if (get == nullptr || set == nullptr) continue;
+      kept_.push_back({set, get()});
+      set(n);
+    }
+  }
+  ~OpenMPThreads() {
+    for (const auto& [set, threads] : kept_) set(threads);
+  }
+
+ private:
+  std::vector<std::pair<void (*)(int), int>> kept_;
+};
+
 struct WeightsByImage {
-  explicit WeightsByImage(const Geometry& g)
+  explicit WeightsByImage(const Geometry& g) : WeightsByImage(g, OpenMPThreads(g.serial ? 1 : 0)) {}
+
+  // oneDNN's kernels for one image's weight gradient may split its sum over the map among the threads a primitive
+  // is made and run for (the 3-channel first layer's does on 2 threads), which rounds it by the number of threads.
+  // A serial geometry's primitive is made, and run (sum_by_image), on one thread: each image's gradient is then the
+  // same bits in a process of any number of threads, as exact.py's sums need; elsewhere it uses the process's.
+  WeightsByImage(const Geometry& g, const OpenMPThreads&)
       : image(one_image(g)),
         hint(hint_for(image)),
         pd(make_pd()),
@@ -204,9 +242,10 @@ struct Plan {
 
 // The plan of a geometry: the one kept, else a new one, kept where it is made for a backward pass.
 std::shared_ptr<const Plan> plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
-                                     bool bias, bool training) {
+                                     bool bias, bool training, bool serial = false) {
   static PlanCache<Geometry, Plan> plans;
-  const Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias);
+  Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias);
+  g.serial = serial;
   return plans.find_or_make(g, training, [&] { return std::make_shared<const Plan>(g, training); });
 }
 
@@ -263,6 +302,7 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
   memory image_src(w.pd.src_desc(), cpu_engine(), DNNL_MEMORY_NONE);
   memory image_diff_dst(w.pd.diff_dst_desc(), cpu_engine(), DNNL_MEMORY_NONE);
   memory image_weights(w.pd.diff_weights_desc(), cpu_engine(), one.data());
+  const OpenMPThreads threads(w.image.serial ? 1 : 0);  // see WeightsByImage
   for (int64_t i = 0; i < batch; ++i) {
     image_src.set_data_handle(const_cast<float*>(src_data + i * w.src_floats));
     image_diff_dst.set_data_handle(const_cast<float*>(diff_dst_data + i * w.diff_dst_floats));
@@ -310,7 +350,7 @@ paddle::Tensor input_gradient(const Backward& p, const paddle::Tensor& x, const 
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
                                      int stride, int padding, bool input_grad, bool bias, bool wide) {
   check(grad_out, "the output's gradient");
-  const auto plan = plan_for(x, w, stride, padding, bias, true);
+  const auto plan = plan_for(x, w, stride, padding, bias, true, wide);  // exact.py's sums: each image serial
   const Backward& p = *plan->bwd;
   memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
   std::vector<double> sum, bias_sum;
