@@ -126,7 +126,7 @@ class _ChannelBias(PyLayer):
         return grad_out, _hand_over(ctx.bias, _wide(grad_out).sum(axis=[0, 2, 3]))
 
 
-class _Conv(PyLayer):
+class _Conv2D(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, stride, padding):
         ctx.save_for_backward(x)
@@ -140,7 +140,7 @@ class _Conv(PyLayer):
         return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w)
 
 
-class _ConvBias(PyLayer):
+class _Conv2DBias(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding):
         ctx.save_for_backward(x)
@@ -183,5 +183,5 @@ def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, b
     if not (active() and onednn.runs(x)):
         return onednn.conv2d(x, weight, stride, padding, bias=bias)
     if bias is None:
-        return _Conv.apply(x, weight, stride, padding)
-    return _ConvBias.apply(x, weight, bias, stride, padding)
+        return _Conv2D.apply(x, weight, stride, padding)
+    return _Conv2DBias.apply(x, weight, bias, stride, padding)
