@@ -14,7 +14,6 @@ import pytest
 from helpers import REPO, explain, launch_env
 
 from paddle_mnist.network import exact, models
-from paddle_mnist.ops import onednn
 
 # Run in a child process, so that oneDNN and MKL read the instruction set they are held to at their start. Prints
 # one line per model: the largest difference of any parameter's gradient, whole batch against its parts.
@@ -50,18 +49,8 @@ for name, shape in (("mnist_cnn", (1, 28, 28)), ("cifar_cnn", (3, 32, 32))):
 """
 
 
-@pytest.fixture(scope="module")
-def ops():
-    prepared = onednn.prepare("auto")
-    assert prepared.library is not None, f"the operator did not build here: {prepared.reason}"
-    line = onednn.activate(prepared, "cpu")
-    assert line.startswith("convolutions: oneDNN"), line
-    yield onednn._ops
-    onednn.deactivate()
-
-
 @pytest.mark.parametrize("isa", ["native", "AVX2"])
-def test_a_batchs_gradient_is_the_same_bits_whole_and_in_parts(ops, isa):
+def test_a_batchs_gradient_is_the_same_bits_whole_and_in_parts(op, isa):
     """mnist_cnn's and cifar_cnn's gradients of 96 images, whole and in 2 and 3 parts summed as the trainer sums
     them. With oneDNN's AVX2 kernels and MKL's AVX2 code path (those of an AMD EPYC), float32 sums of the same
     parts differed by 2e-6 of the gradient and Paddle's dense layer gave a row other bits in another batch."""
@@ -80,7 +69,7 @@ def test_a_batchs_gradient_is_the_same_bits_whole_and_in_parts(ops, isa):
     assert all(float(r[2]) == 0.0 for r in rows), rows
 
 
-def test_the_dense_layer_gives_each_row_the_same_bits_in_any_batch(ops):
+def test_the_dense_layer_gives_each_row_the_same_bits_in_any_batch(op):
     rng = np.random.default_rng(5)
     x = paddle.to_tensor(rng.standard_normal((96, 1600)).astype("float32"), stop_gradient=False)
     w = paddle.create_parameter([1600, 512], "float32")
@@ -99,7 +88,7 @@ def test_the_dense_layer_gives_each_row_the_same_bits_in_any_batch(ops):
     np.testing.assert_allclose(w.grad.numpy(), x.numpy().T @ (2 * y.numpy()), rtol=1e-4, atol=1e-3)
 
 
-def test_outside_a_step_the_layers_are_paddles_own(ops):
+def test_outside_a_step_the_layers_are_paddles_own(op):
     """Without a Sums collecting, nothing goes through exact.py (evaluation, export, the models with batch norm)."""
     x = paddle.randn([4, 8])
     w, b = paddle.randn([8, 3]), paddle.randn([3])
@@ -123,7 +112,7 @@ def test_only_models_whose_every_trained_layer_hands_its_gradient_over_sum_exact
     assert not models.sums_exactly(models.MnistCNN(plain=True))  # Paddle's own layers
 
 
-def test_a_trained_parameter_without_a_float64_sum_is_refused(ops):
+def test_a_trained_parameter_without_a_float64_sum_is_refused(op):
     """A layer outside exact.py in a step that sums exactly would round its own way: the step stops, naming it."""
     model = models.build_model("mnist_cnn_bn_fc", 10, (1, 28, 28))
     sums = exact.Sums()
@@ -151,7 +140,7 @@ print(hashlib.sha256(grad_w.numpy().tobytes() + grad_b.numpy().tobytes()).hexdig
 """
 
 
-def test_an_images_weight_gradient_is_the_same_bits_on_any_number_of_threads(ops):
+def test_an_images_weight_gradient_is_the_same_bits_on_any_number_of_threads(op):
     """One process on 2 threads trains what 2 workers of 1 thread train only if each image's weight gradient does
     not depend on the threads: oneDNN's kernel for a 3-channel first layer split it among 2 threads, and
     cifar_cnn on the CIFAR-10 copy ended 2.4e-3 from its workers after 15 steps (csrc/onednn_conv.cc runs it on one

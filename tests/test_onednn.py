@@ -27,18 +27,6 @@ from paddle_mnist.runtime import cpu
 SMALL = small_run(eval_limit=100, batch_size=64, epochs=1, log_every=None, lr=None)
 
 
-@pytest.fixture(scope="module")
-def op():
-    """The operators' module, built or found as the trainer does; the tests fail, naming why, where it cannot be
-    had."""
-    prepared = onednn.prepare("auto")
-    assert prepared.library is not None, f"the operator did not build here: {prepared.reason}"
-    line = onednn.activate(prepared, "cpu")
-    assert line.startswith("convolutions: oneDNN"), line
-    yield onednn._ops
-    onednn.deactivate()
-
-
 def output_and_grads(conv, *inputs: paddle.Tensor):
     """conv(*inputs)'s output and the gradients of every input."""
     for t in inputs:

@@ -168,7 +168,7 @@ def sum_over_workers(model: paddle.nn.Layer) -> Callable[[paddle.Tensor], None]:
     """What sums a tensor over the workers in place: an all-reduce where DataParallel wraps the model (more than
     one worker), else nothing."""
     if isinstance(model, paddle.DataParallel):
-        return lambda t: dist.all_reduce(t)
+        return dist.all_reduce
     return lambda t: None
 
 

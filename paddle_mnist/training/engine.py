@@ -208,8 +208,10 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
 
     Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
     mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
-    backward pass (DataParallel's no_sync for the others). With a timing.StepTimer the step's phases are timed at
-    their boundaries and nothing else changes: DataParallel's all-reduce stays inside the last backward pass.
+    backward pass (DataParallel's no_sync for the others). Where state.exact, every image's loss weighs 1/(global
+    batch) instead, every backward pass keeps its gradients local, and the step's float64 sums (network/exact.py)
+    are all-reduced once after the last and rounded to float32 once. With a timing.StepTimer the step's phases are
+    timed at their boundaries and nothing else changes: the all-reduce counts in the backward phase.
 
     images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU); share is
     (position, total): they are places position .. of a global batch of total images, (0, len(labels)) when None.
