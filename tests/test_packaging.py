@@ -57,7 +57,7 @@ def test_the_top_level_holds_the_design_cards_names():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     top = {path.split("/")[0] for path in tracked}
     card = {"paddle_mnist", "data", "scripts", "tests", "requirements.txt", "README.md"}
-    python_project = {"docs", "train.py", "pyproject.toml", ".ci", ".gitignore"}
+    python_project = {"docs", "train.py", "pyproject.toml", ".ci", ".gitignore", "LICENSE"}
     assert card <= top
     extra = top - card - python_project
     assert all(name.startswith("requirements-") for name in extra), extra
