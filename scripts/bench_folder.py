@@ -94,11 +94,29 @@ def build_here(root: Path) -> dict:
     }
 
 
-def train_once(args, contender: str, work: Path) -> dict:
-    # imported here: scripts.bench loads Paddle, which the cache-building child (--build-only) must not, so
-    # that its peak memory is the build's own
-    from scripts.bench import fresh, launcher, run
+def launcher(workers: int, log_dir: Path) -> list[str]:
+    if workers == 1:
+        return [sys.executable]
+    launch = [sys.executable, "-m", "paddle.distributed.launch"]
+    return [*launch, "--nproc_per_node", str(workers), "--log_dir", str(log_dir)]
 
+
+def run(cmd: list[str], env: dict, what: str, log_dir: Path) -> str:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = proc.stdout[-1500:] + proc.stderr[-1500:]
+        sys.exit(f"{what} failed (exit {proc.returncode}); its logs: {log_dir}\n{tail}")
+    return proc.stdout
+
+
+def fresh(*folders: Path) -> None:
+    """Remove a previous round's run: the launcher appends to old worker logs, the trainer refuses old results."""
+    for path in folders:
+        if path.exists():
+            shutil.rmtree(path)
+
+
+def train_once(args, contender: str, work: Path) -> dict:
     out, log_dir = work / contender, work / f"{contender}-log"
     fresh(out, log_dir)
     source = ["--dataset", "folder", "--data-dir", str(args.folder)] if contender == "folder" else []

@@ -1,8 +1,7 @@
-"""The hand-written Paddle training loop the benchmarks time: the trainer's optimizer values, none of its machinery."""
+"""The bare Paddle training step that profile_step and step_timeline time: the trainer's optimizer values, none of its
+machinery."""
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterable
 
 import paddle
 import paddle.nn.functional as F
@@ -35,19 +34,4 @@ def step(model: paddle.nn.Layer, opt: paddle.optimizer.Optimizer, x: paddle.Tens
     loss.backward()
     opt.step()
     opt.clear_grad()
-    return loss
-
-
-def train(
-    model: paddle.nn.Layer,
-    opt: paddle.optimizer.Optimizer,
-    batches: Iterable[tuple[paddle.Tensor, paddle.Tensor]],
-    done: Callable[[], bool] = lambda: False,
-) -> paddle.Tensor | None:
-    """step() over batches until they run out or done() (called after every step) says so; the last loss."""
-    loss = None
-    for x, y in batches:
-        loss = step(model, opt, x, y)
-        if done():
-            break
     return loss

@@ -387,7 +387,7 @@ def test_a_command_with_a_wrong_flag_fails_its_check(tmp_path):
     wrong = [
         Command("page.md", 1, "python -m paddle.distributed.launch --nnodes 2 --gpus 0 train.py --epochz 3"),
         Command("page.md", 2, "python -m paddle.distributed.launch --nnodes 2 --procs_per_node 2 train.py"),
-        Command("page.md", 3, "python -m scripts.bench --no-such-flag"),
+        Command("page.md", 3, "python -m scripts.bench_torch --no-such-flag"),
         Command("page.md", 4, "python -m paddle_mnist.logs no_such_log_dir"),
     ]
     failures, _ = run_page(wrong, tmp_path)
