@@ -1,6 +1,6 @@
 """Paper estimate of data-parallel scaling on 4 and 8 GPUs: FLOPs, gradient bytes, ring all-reduce time, efficiency.
 
-Nothing runs on a GPU; the hardware figures below are assumptions, explained in docs/performance.md.
+Nothing runs on a GPU; the hardware figures below are assumptions, explained in docs/gpu.md.
 
     python -m scripts.gpu_estimate           # tables
     python -m scripts.gpu_estimate --json    # the same figures as JSON

@@ -10,7 +10,7 @@ What it finds is a lead: a variant is adopted only after the trainer itself has 
     python -m scripts.torch_recipes search /tmp/cifar.npz --out runs.jsonl --budget 400 --workers 4
 
 `--base airbench` makes airbench94's network and recipe (AIRBENCH) what `--variants` change: its pieces are knobs
-of BASE, off there, so each can be tried alone or taken away (docs/results.md, "What 90% would take").
+of BASE, off there, so each can be tried alone or taken away (docs/results.md, "The frontier").
 
 `prepare` needs Pillow; `search` needs only PyTorch and numpy. Phase 1 trains each change to the base recipe
 alone (3 seeds); phase 2 combines the changes that helped, at several widths and epoch counts. Each run appends
