@@ -131,3 +131,14 @@ def test_the_layout_in_the_development_docs_names_every_room_and_module():
         assert modules - named == set(), f"modules of {room}/ missing from its row"
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert top - set(re.findall(r"`(\w+)`", layout)) == set(), "top-level modules missing from the layout"
+
+
+def test_every_test_marked_alone_by_name_exists():
+    """conftest.ALONE names files and tests by their ids: a name that no longer matches would run a timed test
+    beside another one without a word."""
+    from conftest import ALONE
+
+    for entry in ALONE:
+        path, _, name = entry.partition("::")
+        assert (ROOT / path).is_file(), entry
+        assert not name or f"def {name}(" in (ROOT / path).read_text(), entry
