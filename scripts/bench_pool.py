@@ -23,7 +23,7 @@ cpu.steady_malloc()
 import paddle  # noqa: E402
 import paddle.nn.functional as F  # noqa: E402
 
-from paddle_mnist.ops import onednn  # noqa: E402
+from paddle_mnist.ops import fastpath, onednn  # noqa: E402
 
 SHAPES = ([64, 20, 28, 28], [64, 20, 14, 14])
 
@@ -43,11 +43,11 @@ def timed(call, repeats: int = 7, calls: int = 20) -> float:
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     paddle.base.core.set_num_threads(1)
-    onednn.set_openmp_threads(1)
+    cpu.set_openmp_threads(1)
     line = onednn.activate(onednn.prepare("onednn"), "cpu")
     print(line)
     kernels = {
-        "max_pool2x2": lambda x: onednn.max_pool2x2(x),
+        "max_pool2x2": lambda x: fastpath.max_pool2x2(x),
         "Paddle, with the argmax": lambda x: F.max_pool2d(x, 2, 2, return_mask=True)[0],
     }
     print(f"{'map':<16} {'kernel':<24} {'forward ms':>10} {'backward ms':>11}")
