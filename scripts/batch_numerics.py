@@ -37,7 +37,7 @@ import paddle.nn.functional as F
 from paddle_mnist import config
 from paddle_mnist.datasets import data
 from paddle_mnist.network import dropout, exact
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath, onednn
 from paddle_mnist.runtime import cpu
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import engine
@@ -60,9 +60,9 @@ class Call:
 
 @contextlib.contextmanager
 def recording(calls: list[Call]) -> Iterator[None]:
-    """Record every onednn.conv2d, onednn.max_pool2x2 and exact.linear call made inside (models.Conv2D, MaxPool2D
+    """Record every fastpath.conv2d, fastpath.max_pool2x2 and exact.linear call made inside (models.Conv2D, MaxPool2D
     and Linear call them)."""
-    conv2d, pool, linear = onednn.conv2d, onednn.max_pool2x2, exact.linear
+    conv2d, pool, linear = fastpath.conv2d, fastpath.max_pool2x2, exact.linear
 
     def conv_and_note(x, weight, stride, padding, bias=None):
         b = None if bias is None else bias.numpy()
@@ -77,11 +77,11 @@ def recording(calls: list[Call]) -> Iterator[None]:
         calls.append(Call("linear", x.numpy(), weight.numpy(), bias.numpy()))
         return linear(x, weight, bias)
 
-    onednn.conv2d, onednn.max_pool2x2, exact.linear = conv_and_note, pool_and_note, linear_and_note
+    fastpath.conv2d, fastpath.max_pool2x2, exact.linear = conv_and_note, pool_and_note, linear_and_note
     try:
         yield
     finally:
-        onednn.conv2d, onednn.max_pool2x2, exact.linear = conv2d, pool, linear
+        fastpath.conv2d, fastpath.max_pool2x2, exact.linear = conv2d, pool, linear
 
 
 def results(call: Call, run: Callable, x: np.ndarray, grad: np.ndarray, wide: bool = False) -> list[np.ndarray]:
@@ -104,7 +104,7 @@ def operators(call: Call, backend: str) -> Callable:
     if call.kind == "linear":
         return exact.linear if backend == "onednn" else F.linear
     if call.kind == "pool":
-        return onednn.max_pool2x2 if backend == "onednn" else (lambda x: F.max_pool2d(x, 2, 2))
+        return fastpath.max_pool2x2 if backend == "onednn" else (lambda x: F.max_pool2d(x, 2, 2))
     s, p = call.stride, call.padding
     if backend == "onednn":
         return lambda x, w, b=None: exact.conv2d(x, w, s, p, b)
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     cpu.prefer_fast_kernels()
     paddle.base.core.set_num_threads(args.threads)
-    onednn.set_openmp_threads(args.threads)
+    cpu.set_openmp_threads(args.threads)
     print(onednn.activate(onednn.prepare("auto"), "cpu"))
     if not onednn.active():
         print("the oneDNN operators are not active here: nothing to compare", file=sys.stderr)

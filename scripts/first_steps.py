@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(own)
     cpu.prefer_fast_kernels()
     paddle.base.core.set_num_threads(1)  # one core: a run's figures do not depend on how many the machine has
-    onednn.set_openmp_threads(1)
+    cpu.set_openmp_threads(1)
     sys.stdout.reconfigure(line_buffering=True)
     # the convolutions (and minigooglenet's blocked layout) the trainer would use: --conv-backend after --
     print(onednn.activate(onednn.prepare(config.parse_args(flags).conv_backend), "cpu"))

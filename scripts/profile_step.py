@@ -48,7 +48,7 @@ def main() -> int:
     if args.model not in models.MODELS:
         p.error(f"--model: choose from {', '.join(models.MODELS)}")
     paddle.base.core.set_num_threads(args.threads)
-    onednn.set_openmp_threads(args.threads)
+    cpu.set_openmp_threads(args.threads)
     print(onednn.activate(onednn.prepare("paddle" if args.plain else args.conv_backend), "cpu"))
     paddle.seed(0)
     shape = plain_loop.image_shape(args.model)

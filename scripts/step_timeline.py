@@ -62,7 +62,7 @@ def worker(args) -> None:
     if coupled:
         dist.init_parallel_env()
     paddle.base.core.set_num_threads(1)
-    onednn.set_openmp_threads(1)
+    cpu.set_openmp_threads(1)
     onednn.activate(onednn.prepare("auto"), "cpu")
     paddle.seed(rank)
     shape = plain_loop.image_shape(args.model)

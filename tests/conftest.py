@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import make_dataset
 
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath, onednn
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +22,7 @@ def op():
     assert prepared.library is not None, f"the operator did not build here: {prepared.reason}"
     line = onednn.activate(prepared, "cpu")
     assert line.startswith("convolutions: oneDNN"), line
-    yield onednn._ops
+    yield fastpath._ops
     onednn.deactivate()
 
 

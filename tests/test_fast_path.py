@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import types
@@ -211,3 +212,14 @@ def test_steady_malloc_serves_step_sized_buffers_from_the_heap():
     assert mapped_blocks("default") == ("False", "1")
     assert mapped_blocks("steady") == ("True", "0")
     assert mapped_blocks("steady", MALLOC_MMAP_THRESHOLD_="131072") == ("False", "1")
+
+
+def test_openmp_threads_reach_both_runtimes():
+    """Paddle's CPU wheel loads MKL's Intel OpenMP and the GNU OpenMP its libdnnl.so.3 runs on: the trainer's
+    thread count is set in both, at 1 and at 2, in a fresh process."""
+    code = "import json, paddle; from paddle_mnist.runtime import cpu; "
+    code += "print(json.dumps([cpu.set_openmp_threads(n) for n in (1, 2)]))"
+    proc = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == [{"libgomp.so.1": 1, "libiomp5.so": 1}, {"libgomp.so.1": 2, "libiomp5.so": 2}]

@@ -95,7 +95,6 @@ LONG_MODULES = {
     "paddle_mnist.config": 740,
     "paddle_mnist.datasets.folder": 780,
     "paddle_mnist.files.logs": 640,
-    "paddle_mnist.ops.onednn": 620,
     "paddle_mnist.training.trainer": 520,
 }
 

@@ -21,7 +21,7 @@ import pytest
 from helpers import REPO, explain, launch_env, make_dataset, read_results, run_single, small_run
 
 from paddle_mnist.network import models
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath, onednn, selfcheck
 from paddle_mnist.runtime import cpu
 
 SMALL = small_run(eval_limit=100, batch_size=64, epochs=1, log_every=None, lr=None)
@@ -103,12 +103,12 @@ def test_an_images_results_do_not_depend_on_the_batch_around_it(op, geometry, bi
     o = (side + 2 * padding - kernel) // stride + 1
     grad = rng.normal(size=(n, out, o, o)).astype("float32")
     before = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_get_max_threads()  # oneDNN's runtime
-    onednn.set_openmp_threads(threads)
+    cpu.set_openmp_threads(threads)
     try:
         batch = per_image(conv, x, grad, *params)
         alone = [per_image(conv, x[i : i + 1], grad[i : i + 1], *params) for i in range(n)]
     finally:
-        onednn.set_openmp_threads(before)
+        cpu.set_openmp_threads(before)
     for k, name in enumerate(("output", "input gradient")):
         assert np.array_equal(batch[k], np.concatenate([a[k] for a in alone])), name
     wide = grad64(op, x, grad, params, stride, padding)
@@ -227,7 +227,7 @@ def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, 
     results = []
     counted = Counted(op)
     for active in (True, False):
-        onednn._ops = counted if active else None
+        fastpath.use(counted if active else None)
         net.set_state_dict(start)
         net.clear_gradients()
         paddle.seed(9)  # the same dropout masks
@@ -236,7 +236,7 @@ def test_a_models_training_step_through_onednn_matches_paddles_convolutions(op, 
         grads = {k: p.grad.numpy() for k, p in net.named_parameters() if p.grad is not None}
         buffers = {k: v.numpy() for k, v in net.state_dict().items() if k.endswith(("_mean", "_variance"))}
         results.append((logits.numpy(), grads, buffers))
-    onednn._ops = op
+    fastpath.use(op)
     assert counted.calls == dict.fromkeys(OPS, 0) | calls
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-4, atol=1e-5)
     assert results[0][1].keys() == results[1][1].keys()
@@ -261,7 +261,7 @@ MODULES = [
 ]
 
 
-BLOCKS = [8, 16]  # AVX2's and AVX-512's (onednn.channel_block): both are checked on any processor
+BLOCKS = [8, 16]  # AVX2's and AVX-512's (fastpath.channel_block): both are checked on any processor
 
 
 def blocked(x: paddle.Tensor, block: int) -> paddle.Tensor:
@@ -271,13 +271,13 @@ def blocked(x: paddle.Tensor, block: int) -> paddle.Tensor:
 
 
 def test_the_block_is_sixteen_channels_with_avx512_and_eight_without():
-    assert onednn.channel_block({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}) == 16
-    assert onednn.channel_block({"avx2", "fma", "avx512f"}) == 8  # the first AVX-512 (Knights Landing) lacks BW
-    assert onednn.channel_block({"avx2", "fma"}) == 8
+    assert fastpath.channel_block({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}) == 16
+    assert fastpath.channel_block({"avx2", "fma", "avx512f"}) == 8  # the first AVX-512 (Knights Landing) lacks BW
+    assert fastpath.channel_block({"avx2", "fma"}) == 8
     avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl"}
     for isa, block in (("AVX2", 8), ("avx2_vnni", 8), ("SSE41", 8), ("AVX512_CORE", 16), ("AVX512_CORE_AMX", 16)):
-        assert onednn.channel_block(avx512, {"ONEDNN_MAX_CPU_ISA": isa}) == block, isa  # oneDNN held below AVX-512
-    assert onednn.BLOCK == onednn.channel_block(cpu.cpu_flags(Path("/proc/cpuinfo").read_text())[1])
+        assert fastpath.channel_block(avx512, {"ONEDNN_MAX_CPU_ISA": isa}) == block, isa  # oneDNN held below AVX-512
+    assert fastpath.BLOCK == fastpath.channel_block(cpu.cpu_flags(Path("/proc/cpuinfo").read_text())[1])
 
 
 @pytest.mark.parametrize("block", BLOCKS)
@@ -298,8 +298,8 @@ def test_a_conv_module_in_the_blocked_layout_gives_paddles_numbers(op, module, b
         norm._mean.set_value(paddle.zeros([cout]))
         norm._variance.set_value(paddle.ones([cout]))
         if ours:
-            run = lambda x, *_: onednn.unblock(  # noqa: E731
-                onednn.conv_bn_relu(blocked(x, block) if blocked_input else x, conv, norm, block=block)
+            run = lambda x, *_: fastpath.unblock(  # noqa: E731
+                fastpath.conv_bn_relu(blocked(x, block) if blocked_input else x, conv, norm, block=block)
             )
         else:
             run = lambda x, *_: F.relu(norm(F.conv2d(x, conv.weight, conv.bias, stride, padding)))  # noqa: E731
@@ -326,8 +326,8 @@ def test_a_conv_module_in_evaluation_gives_paddles_numbers(op, module, block):
     norm.eval()
     x = paddle.randn([8, cin, side, side])
     with paddle.no_grad():
-        ours = onednn.conv_relu_folded(blocked(x, block) if blocked_input else x, conv, norm, block=block)
-        ours = onednn.unblock(ours)
+        ours = fastpath.conv_relu_folded(blocked(x, block) if blocked_input else x, conv, norm, block=block)
+        ours = fastpath.unblock(ours)
         paddles = F.relu(norm(F.conv2d(x, conv.weight, conv.bias, stride, padding)))
     assert ours.shape == paddles.shape
     np.testing.assert_allclose(ours.numpy(), paddles.numpy(), rtol=1e-4, atol=1e-4 * float(paddles.abs().max()))
@@ -355,16 +355,16 @@ def test_a_blocked_models_evaluation_runs_blocked_and_matches_paddles_layers(op,
     outputs = []
     try:
         for active in (True, False):
-            onednn._ops = counted if active else None
+            fastpath.use(counted if active else None)
             with paddle.no_grad():
                 outputs.append(net(x).numpy())
         assert counted.calls == dict.fromkeys(OPS, 0) | calls
-        onednn._ops = counted
+        fastpath.use(counted)
         counted.calls = dict.fromkeys(OPS, 0)
         net(x)  # gradients on
         assert sum(counted.calls[k] for k in calls) == 0, counted.calls
     finally:
-        onednn._ops = op
+        fastpath.use(op)
     np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-4, atol=1e-4 * np.abs(outputs[1]).max())
 
 
@@ -374,8 +374,8 @@ def test_the_blocked_max_pool_gives_paddles_numbers(op, side, block):
     """onednn_max_pool_blocked against F.max_pool2d, 3x3 of stride 2 (the downsample modules'), output and input
     gradient (overlapping windows add up in another order: equal to rounding)."""
     x = paddle.randn([4, 16, side, side])
-    ours = output_and_grads(lambda x: onednn.unblock(onednn.max_pool_blocked(blocked(x, block), 3, 2)), x)
-    assert onednn.max_pool_blocked(blocked(x, block), 3, 2).shape[4] == block
+    ours = output_and_grads(lambda x: fastpath.unblock(fastpath.max_pool_blocked(blocked(x, block), 3, 2)), x)
+    assert fastpath.max_pool_blocked(blocked(x, block), 3, 2).shape[4] == block
     paddles = output_and_grads(lambda x: F.max_pool2d(x, 3, 2), x)
     np.testing.assert_array_equal(ours[0], paddles[0])
     np.testing.assert_allclose(ours[1], paddles[1], rtol=1e-6, atol=1e-6)
@@ -385,7 +385,7 @@ def test_the_blocked_max_pool_gives_paddles_numbers(op, side, block):
 def test_the_blocked_concatenation_gives_paddles_numbers_to_the_bit(op, block):
     """onednn_concat_blocked against paddle.concat on channels: a copy both ways, so equal to the bit."""
     a, b = paddle.randn([4, 96, 13, 13]), paddle.randn([4, 48, 13, 13])
-    join = lambda a, b: onednn.unblock(onednn.concat_blocked(blocked(a, block), blocked(b, block)))  # noqa: E731
+    join = lambda a, b: fastpath.unblock(fastpath.concat_blocked(blocked(a, block), blocked(b, block)))  # noqa: E731
     ours = output_and_grads(join, a, b)
     paddles = output_and_grads(lambda a, b: paddle.concat([a, b], axis=1), a, b)
     for name, x, y in zip(("output", "first gradient", "second gradient"), ours, paddles):
@@ -395,13 +395,45 @@ def test_the_blocked_concatenation_gives_paddles_numbers_to_the_bit(op, block):
 def test_maps_of_different_blocks_are_refused_in_one_line(op):
     a, b = paddle.randn([2, 32, 5, 5]), paddle.randn([2, 16, 5, 5])
     with pytest.raises(OSError, match="same batch, height, width and block"):
-        onednn.concat_blocked(blocked(a, 16), blocked(b, 8))
+        fastpath.concat_blocked(blocked(a, 16), blocked(b, 8))
     conv, norm = models.Conv2D(32, 16, 1), paddle.nn.BatchNorm2D(16)
     with pytest.raises(OSError, match="x is blocked by 8 channels, the output would be by 16"):
         op.onednn_conv_bn_relu(blocked(a, 8), conv.weight, conv.bias, norm.weight, norm.bias, 1, 0, 1e-5, True, 16)
     narrow, few = models.Conv2D(32, 8, 1), paddle.nn.BatchNorm2D(8)
     with pytest.raises(OSError, match="output channels \\(8\\) must be a multiple of the block, 16"):
         op.onednn_conv_bn_relu(a, narrow.weight, narrow.bias, few.weight, few.bias, 1, 0, 1e-5, True, 16)
+
+
+# (what is wrong, x's shape, the weight's shape, stride, padding, the operator's one line): each a call that oneDNN
+# would otherwise answer by aborting the process (a dnnl::error) or a zero stride by a division by zero
+BAD_GEOMETRIES = [
+    ("channels", [2, 3, 9, 9], [4, 2, 3, 3], 1, 1, "onednn_conv2d: x has 3 channels, the weight takes 2"),
+    ("stride", [2, 3, 9, 9], [4, 3, 3, 3], 0, 1, "onednn_conv2d: the stride must be 1 or more, not 0"),
+    ("padding", [2, 3, 9, 9], [4, 3, 3, 3], 1, -1, "onednn_conv2d: the padding must be 0 or more, not -1"),
+    (
+        "no-output",
+        [2, 3, 4, 9],
+        [4, 3, 7, 3],
+        2,
+        1,
+        "onednn_conv2d: no output: the 7x3 kernel is larger than the input with its padding, 6x11",
+    ),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize(
+    ("what", "x", "w", "stride", "padding", "said"), BAD_GEOMETRIES, ids=[b[0] for b in BAD_GEOMETRIES]
+)
+def test_a_convolution_of_a_geometry_onednn_cannot_run_is_refused_in_one_line(
+    op, what, x, w, stride, padding, said, bias
+):
+    x, w = paddle.randn(x), paddle.randn(w)
+    with pytest.raises(OSError, match=re.escape(said)):
+        if bias:
+            op.onednn_conv2d_bias(x, w, paddle.randn(w.shape[:1]), stride, padding, True)
+        else:
+            op.onednn_conv2d(x, w, stride, padding, True)
 
 
 class UnbiasedVariance:
@@ -421,8 +453,8 @@ class UnbiasedVariance:
 
 
 def test_the_build_check_refuses_a_conv_module_with_another_running_variance(op):
-    with pytest.raises(onednn.Unavailable, match="conv module's running variance differs"):
-        onednn.check_blocked(UnbiasedVariance(op))
+    with pytest.raises(selfcheck.Refused, match="conv module's running variance differs"):
+        selfcheck.check_blocked(UnbiasedVariance(op))
 
 
 # (batch, channels, height, width): the models' pools (28 -> 14 -> 7, cifar_cnn's 30 -> 15 and 13 -> 6), and
@@ -470,10 +502,10 @@ class SpreadGradientPool:
 
 
 def test_the_build_check_refuses_a_max_pool_with_another_gradient():
-    """onednn.check_max_pool, which every build passes before it is used, fails an operator whose outputs are
+    """selfcheck.check_max_pool, which every build passes before it is used, fails an operator whose outputs are
     right and whose gradient is not."""
-    with pytest.raises(onednn.Unavailable, match="max-pool input gradient differs"):
-        onednn.check_max_pool(SpreadGradientPool())
+    with pytest.raises(selfcheck.Refused, match="max-pool input gradient differs"):
+        selfcheck.check_max_pool(SpreadGradientPool())
 
 
 def weights_pass_ran(code: str, shape: str) -> tuple[str, str]:
@@ -498,10 +530,10 @@ def test_a_first_convolutions_weight_gradient_reads_its_input_as_paddle_holds_it
     has one in its AVX-512 kernels only, and its AVX2 kernel takes the blocked layout. Read from oneDNN's own log
     of what ran."""
     code = (
-        "import paddle; from paddle_mnist.ops import onednn as o; "
+        "import paddle; from paddle_mnist.ops import fastpath, onednn as o; "
         "print(o.activate(o.prepare('onednn'), 'cpu')); "
         "x, w = paddle.randn([8, 1, 28, 28]), paddle.randn([20, 1, 5, 5]); w.stop_gradient = False; "
-        "o.conv2d(x, w, 1, 2).sum().backward()"
+        "fastpath.conv2d(x, w, 1, 2).sum().backward()"
     )
     weights, stdout = weights_pass_ran(code, "mb1_ic1oc20")
     version = re.search(r"oneDNN v(\d+)\.(\d+)", stdout)
@@ -518,10 +550,10 @@ def test_minigooglenets_first_module_on_a_1_channel_image_takes_a_direct_weight_
     for that layout (3.2, Paddle 2.6), it must not take the reference loops (100 times slower: a second a step on
     Fashion-MNIST), but the blocked layout. Read from oneDNN's own log of what ran."""
     code = (
-        "import paddle; from paddle_mnist.ops import onednn as o; from paddle_mnist.network import models as m; "
-        "print(o.activate(o.prepare('onednn'), 'cpu')); "
+        "import paddle; from paddle_mnist.ops import fastpath, onednn as o; "
+        "from paddle_mnist.network import models as m; print(o.activate(o.prepare('onednn'), 'cpu')); "
         "conv, norm = m.Conv2D(1, 96, 3, padding=1), paddle.nn.BatchNorm2D(96); "
-        "o.conv_bn_relu(paddle.randn([8, 1, 28, 28]), conv, norm).sum().backward()"
+        "fastpath.conv_bn_relu(paddle.randn([8, 1, 28, 28]), conv, norm).sum().backward()"
     )
     weights_pass_ran(code, "mb8_ic1oc96")  # a direct kernel, asserted there
 
@@ -556,17 +588,6 @@ def test_the_exported_model_and_evaluation_use_paddles_convolution(op, tmp_path)
     assert b"pool2d" in program and b"max_pool2x2" not in program
 
 
-def test_openmp_threads_reach_both_runtimes():
-    """Paddle's CPU wheel loads MKL's Intel OpenMP and the GNU OpenMP its libdnnl.so.3 runs on: the trainer's
-    thread count is set in both, at 1 and at 2, in a fresh process."""
-    code = "import json, paddle; from paddle_mnist.ops import onednn as o; "
-    code += "print(json.dumps([o.set_openmp_threads(n) for n in (1, 2)]))"
-    proc = subprocess.run([sys.executable, "-c", code], env=launch_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen == [{"libgomp.so.1": 1, "libiomp5.so": 1}, {"libgomp.so.1": 2, "libiomp5.so": 2}]
-
-
 def test_missing_headers_leave_paddles_convolution_with_the_fix(monkeypatch):
     monkeypatch.setattr(onednn, "HEADERS_PACKAGE", "no-such-onednn-headers")
     prepared = onednn.prepare("auto")
@@ -578,7 +599,7 @@ def test_missing_headers_leave_paddles_convolution_with_the_fix(monkeypatch):
 
 BUILD = """
 import json, sys
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath, onednn, selfcheck
 library, seconds = onednn.build()
 print(json.dumps([str(library), seconds]))
 """
@@ -612,7 +633,7 @@ def test_workers_of_one_machine_build_it_once_and_a_damaged_build_is_built_again
     assert "is building them" in waiter and "building them for" not in waiter, waiter
     record = json.loads((a.parent / "build.json").read_text())
     assert record["build_seconds"] == round(a_s or b_s, 1) and record["paddle"] == paddle.__version__
-    assert sorted(p.name for p in (cache / "onednn_conv").iterdir()) == sorted([a.parent.name, a.parent.name + ".lock"])
+    assert sorted(p.name for p in (cache / onednn.NAME).iterdir()) == sorted([a.parent.name, a.parent.name + ".lock"])
 
     a.write_bytes(a.read_bytes()[: a.stat().st_size // 2])  # damaged: its digest no longer matches
     rebuilt, seconds = result(build_in(cache))
@@ -665,22 +686,22 @@ def test_evaluation_keeps_no_plans_and_training_keeps_a_bounded_number(op):
     """A training step keeps the plans of its shapes, a second keeps no more, evaluation at another batch size
     keeps none (its plans, with their batch-sized buffers, are freed after the call), and a cache past its capacity
     drops its least recently used plans."""
-    onednn._ops = op  # an earlier test may have left Paddle's convolutions active
+    fastpath.use(op)  # an earlier test may have left Paddle's convolutions active
     paddle.seed(5)
     for name, shape in (("cifar_cnn", (3, 32, 32)), ("minigooglenet", (3, 32, 32))):
         net = models.build_model(name, 10, shape)
-        kept = [onednn.kept_plans()]
+        kept = [fastpath.kept_plans()]
         for _ in range(2):
             F.cross_entropy(net(paddle.randn([5, *shape])), paddle.randint(0, 10, [5])).backward()  # a batch of its own
-            kept.append(onednn.kept_plans())
+            kept.append(fastpath.kept_plans())
         net.eval()
         with paddle.no_grad():
             net(paddle.randn([7, *shape]))
-        kept.append(onednn.kept_plans())
+        kept.append(fastpath.kept_plans())
         assert kept[1] > kept[0] and kept[1] == kept[2] == kept[3], f"{name}: plans kept {kept}"
-    capacity = onednn.PLAN_CACHE_CAPACITY
+    capacity = fastpath.PLAN_CACHE_CAPACITY
     w = paddle.randn([2, 1, 3, 3])
     w.stop_gradient = False
     for batch in range(1, capacity + 11):  # shapes no other test uses
         op.onednn_conv2d(paddle.randn([batch, 1, 5, 5]), w, 1, 0, False).sum().backward()
-        assert onednn.kept_plans() <= onednn.PLAN_CACHES * capacity
+        assert fastpath.kept_plans() <= fastpath.PLAN_CACHES * capacity

@@ -17,7 +17,7 @@ rounded float32 only where the sum falls that close to a float32 rounding bounda
     summing(sums)       inside, the layers below add their float64 gradients to sums
     active()            whether a Sums collects now
     conv2d, linear, add_channel_bias
-                        what models.Conv2D and models.Linear call: onednn.conv2d, F.linear and the bias add,
+                        what models.Conv2D and models.Linear call: fastpath.conv2d, F.linear and the bias add,
                         and while a Sums collects, the same outputs with gradients handed over in float64
 """
 
@@ -30,7 +30,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle.autograd import PyLayer
 
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath
 
 _sums: Sums | None = None
 
@@ -131,12 +131,12 @@ class _Conv2D(PyLayer):
     def forward(ctx, x, weight, stride, padding):
         ctx.save_for_backward(x)
         ctx.geometry, ctx.weight = (stride, padding), weight
-        return onednn.conv2d(x, weight, stride, padding)
+        return fastpath.conv2d(x, weight, stride, padding)
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensor(), ctx.weight
-        grad_x, grad_w = onednn.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
+        grad_x, grad_w = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
         return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w)
 
 
@@ -145,12 +145,12 @@ class _Conv2DBias(PyLayer):
     def forward(ctx, x, weight, bias, stride, padding):
         ctx.save_for_backward(x)
         ctx.geometry, ctx.weight, ctx.bias = (stride, padding), weight, bias
-        return onednn.conv2d(x, weight, stride, padding, bias=bias)
+        return fastpath.conv2d(x, weight, stride, padding, bias=bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensor(), ctx.weight
-        grad_x, grad_w, grad_b = onednn.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=True)
+        grad_x, grad_w, grad_b = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=True)
         return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w), _hand_over(ctx.bias, grad_b)
 
 
@@ -178,10 +178,10 @@ def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
 
 @paddle.jit.not_to_static
 def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias=None) -> paddle.Tensor:
-    """onednn.conv2d; while a Sums collects and the operator runs x, the weights' (and bias's) gradient handed over
-    in float64."""
-    if not (active() and onednn.runs(x)):
-        return onednn.conv2d(x, weight, stride, padding, bias=bias)
+    """fastpath.conv2d; while a Sums collects and the operator runs x, the weights' (and bias's) gradient handed
+    over in float64."""
+    if not (active() and fastpath.runs(x)):
+        return fastpath.conv2d(x, weight, stride, padding, bias=bias)
     if bias is None:
         return _Conv2D.apply(x, weight, stride, padding)
     return _Conv2DBias.apply(x, weight, bias, stride, padding)

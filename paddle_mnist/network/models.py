@@ -12,7 +12,7 @@ from paddle_mnist.network import backbones, exact
 from paddle_mnist.network.dropout import Dropout
 from paddle_mnist.network.exact import add_channel_bias
 from paddle_mnist.network.heads import head_pool, head_scale, pooled, scaled
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath
 
 
 class Conv2D(nn.Conv2D):
@@ -25,7 +25,7 @@ class Conv2D(nn.Conv2D):
         self.geometry = {"stride": stride, "padding": padding}
 
     def convolve(self, x: paddle.Tensor) -> paddle.Tensor:
-        """The convolution without the bias: oneDNN's where it is active (onednn.py), else F.conv2d."""
+        """The convolution without the bias: oneDNN's where it is active (ops/fastpath.py), else F.conv2d."""
         return exact.conv2d(x, self.weight, **self.geometry)
 
     def add_bias(self, y: paddle.Tensor) -> paddle.Tensor:
@@ -34,7 +34,7 @@ class Conv2D(nn.Conv2D):
     def fused(self, x: paddle.Tensor) -> bool:
         """Whether oneDNN adds the bias inside the convolution of x (its kernel adds it as it writes the output,
         and sums its gradient in the weights' backward pass: Paddle's add and its gradient no longer run)."""
-        return self.bias is not None and onednn.runs(x)
+        return self.bias is not None and fastpath.runs(x)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.fused(x):
@@ -64,9 +64,9 @@ class MaxPool2D(nn.MaxPool2D):
     """nn.MaxPool2D that, in training, also keeps where each window's maximum was: the same output, and a backward
     pass that only scatters (docs/performance.md has its cost against Paddle's).
 
-    For 2x2 windows of stride 2 where the custom operators are active (onednn.pools: float32 CPU training), that is
-    the max_pool2x2 operator of csrc/max_pool.cc, which runs four windows at a time and matches F.max_pool2d to the
-    bit, NaN included. Elsewhere it is Paddle's kernel with the mask, as follows.
+    For 2x2 windows of stride 2 where the custom operators are active (fastpath.pools: float32 CPU training), that
+    is the max_pool2x2 operator of csrc/max_pool.cc, which runs four windows at a time and matches F.max_pool2d to
+    the bit, NaN included. Elsewhere it is Paddle's kernel with the mask, as follows.
 
     Paddle's max-pool backward on the CPU searches every window again for the input equal to its maximum; the
     kernel that returns the mask records that position in the forward pass (the first maximum, as the search
@@ -86,8 +86,8 @@ class MaxPool2D(nn.MaxPool2D):
         if not self.training or self.return_mask or self.data_format != "NCHW":
             return nn.MaxPool2D.forward(self, x)
         kernel, stride, padding = (_square(v) for v in (self.ksize, self.stride or self.ksize, self.padding))
-        if None not in (kernel, stride, padding) and onednn.pools(x, kernel, stride, padding, self.ceil_mode):
-            return onednn.max_pool2x2(x)
+        if None not in (kernel, stride, padding) and fastpath.pools(x, kernel, stride, padding, self.ceil_mode):
+            return fastpath.max_pool2x2(x)
         out, mask = F.max_pool2d(
             x, self.ksize, self.stride, self.padding, ceil_mode=self.ceil_mode, return_mask=True, name=self.name
         )
@@ -176,8 +176,8 @@ def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:
 class ConvModule(nn.Sequential):
     """Conv, batch norm, ReLU: MiniGoogLeNet's building block (Keras Conv2D keeps its bias, so does this).
 
-    blocked(x) is the same by oneDNN (onednn.conv_bn_relu in training, onednn.conv_relu_folded in evaluation), its
-    input NCHW or blocked by onednn.BLOCK channels and its output blocked (csrc/blocked.cc).
+    blocked(x) is the same by oneDNN (fastpath.conv_bn_relu in training, fastpath.conv_relu_folded in evaluation),
+    its input NCHW or blocked by fastpath.BLOCK channels and its output blocked (csrc/blocked.cc).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel: int, stride: int = 1, padding: int | str = "same"):
@@ -190,8 +190,8 @@ class ConvModule(nn.Sequential):
 
     def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.training:
-            return onednn.conv_bn_relu(x, self[0], self[1])
-        return onednn.conv_relu_folded(x, self[0], self[1])  # by the running statistics
+            return fastpath.conv_bn_relu(x, self[0], self[1])
+        return fastpath.conv_relu_folded(x, self[0], self[1])  # by the running statistics
 
 
 class Inception(nn.Layer):
@@ -207,7 +207,7 @@ class Inception(nn.Layer):
         return paddle.concat([self.b1(x), self.b3(x)], axis=1)
 
     def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
-        return onednn.concat_blocked(self.b1.blocked(x), self.b3.blocked(x))
+        return fastpath.concat_blocked(self.b1.blocked(x), self.b3.blocked(x))
 
 
 class Downsample(nn.Layer):
@@ -223,7 +223,7 @@ class Downsample(nn.Layer):
         return paddle.concat([self.conv(x), self.pool(x)], axis=1)
 
     def blocked(self, x: paddle.Tensor) -> paddle.Tensor:
-        return onednn.concat_blocked(self.conv.blocked(x), onednn.max_pool_blocked(x, 3, 2))
+        return fastpath.concat_blocked(self.conv.blocked(x), fastpath.max_pool_blocked(x, 3, 2))
 
 
 class MiniGoogLeNet(nn.Layer):
@@ -261,14 +261,14 @@ class MiniGoogLeNet(nn.Layer):
         self.fc = nn.Linear(channels, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if onednn.blocks_now(self, x):
+        if fastpath.blocks_now(self, x):
             x = self.blocked_features(x)
         else:
             x = paddle.flatten(self.pool(self.features(x)), 1)
         return self.fc(self.dropout(x))
 
     def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
-        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, the maps blocked by onednn.BLOCK
+        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, the maps blocked by fastpath.BLOCK
         channels between the first conv module and the global average pool (every width here is a multiple of 16): no
         reorder around each convolution, and batch norm, ReLU, the max-pools and the concatenations on every
         thread (docs/performance.md)."""
@@ -314,7 +314,7 @@ class CifarFast(nn.Layer):
     than with the raw outputs under label smoothing).
 
     Every width is a multiple of 16, so in training and in evaluation without gradients it runs blocked by
-    onednn.BLOCK channels from the first module's output to the global pool, as MiniGoogLeNet does
+    fastpath.BLOCK channels from the first module's output to the global pool, as MiniGoogLeNet does
     (blocked_features): no reorder around any convolution.
     """
 
@@ -341,19 +341,19 @@ class CifarFast(nn.Layer):
         self.fc = nn.Linear(channels, num_classes, bias_attr=False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if onednn.blocks_now(self, x):
+        if fastpath.blocks_now(self, x):
             x = self.blocked_features(x)
         else:
             x = paddle.flatten(self.pool(self.features(x)), 1)
         return self.fc(x) * self.LOGIT_SCALE
 
     def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
-        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, on maps blocked by onednn.BLOCK."""
+        """paddle.flatten(self.pool(self.features(x)), 1) by oneDNN, on maps blocked by fastpath.BLOCK."""
         for layer in self.features:
-            x = onednn.max_pool_blocked(x, 2, 2) if isinstance(layer, MaxPool2D) else layer.blocked(x)
+            x = fastpath.max_pool_blocked(x, 2, 2) if isinstance(layer, MaxPool2D) else layer.blocked(x)
         n, cb, h, w, b = x.shape
         if h == w:  # oneDNN's pool over the whole map: Paddle's CPU gradient of max is slow (docs/results.md)
-            return onednn.max_pool_blocked(x, h, h).reshape([n, cb * b])  # [N, C/B, 1, 1, B] -> channel b * B + i
+            return fastpath.max_pool_blocked(x, h, h).reshape([n, cb * b])  # [N, C/B, 1, 1, B] -> channel b * B + i
         # over H*W as one axis: Paddle 3.3.1's CPU gradient of max over axes [2, 3] of a 5-D tensor is garbage
         return x.reshape([n, cb, h * w, b]).max(2).flatten(1)  # [N, C/B, B] -> [N, C]: channel b * B + i
 

@@ -10,7 +10,7 @@ import paddle
 from paddle import nn
 
 from paddle_mnist.network.models import build_model
-from paddle_mnist.ops import onednn
+from paddle_mnist.ops import fastpath
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def describe(model_name: str, num_classes: int, image_shape: tuple[int, int, int
     printed = io.StringIO()
     try:
         # paddle.summary prints its table; every layer must run for its row and hooks (not the blocked evaluation)
-        with onednn.plain_layers(), contextlib.redirect_stdout(printed):
+        with fastpath.plain_layers(), contextlib.redirect_stdout(printed):
             counts = paddle.summary(net, (1, *image_shape))
     finally:
         for hook in hooks:
@@ -115,7 +115,7 @@ def training_bytes(model_name: str, num_classes: int, image_shape: tuple[int, in
         leaves = [layer for layer in net.sublayers() if not layer.sublayers()]
         count = lambda _layer, _inputs, out: outputs.append(int(out.size))  # noqa: E731
         hooks = [layer.register_forward_post_hook(count) for layer in leaves]
-        with paddle.no_grad(), onednn.plain_layers():
+        with paddle.no_grad(), fastpath.plain_layers():
             net(paddle.zeros([1, *probe]))
         for hook in hooks:
             hook.remove()

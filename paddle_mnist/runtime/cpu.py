@@ -1,5 +1,5 @@
 """Choices about the CPU: MKL's AVX2 kernels on AMD processors and a fixed malloc threshold, made before Paddle
-loads, and the threads each worker gets."""
+loads, and the threads each worker gets, in both OpenMP runtimes Paddle's CPU wheel loads."""
 
 from __future__ import annotations
 
@@ -83,6 +83,27 @@ def threads_per_worker(requested: int, local_size: int) -> int:
     if requested:
         return requested
     return max(1, (os.cpu_count() or 1) // max(local_size, 1))
+
+
+OPENMP_RUNTIMES = ("libgomp.so.1", "libiomp5.so")  # oneDNN's (GNU) and MKL's (Intel) in Paddle's CPU wheels
+
+
+def set_openmp_threads(n: int) -> dict[str, int]:
+    """omp_set_num_threads(n) in every OpenMP runtime this process has loaded; {runtime: its threads now}.
+
+    Paddle's set_num_threads reaches one runtime, and its CPU wheel loads two: MKL's Intel OpenMP and the GNU
+    OpenMP its libdnnl.so.3 (and so the oneDNN operators of ops/) runs on. Left alone, the second would run as many
+    threads as the machine has cores in every worker.
+    """
+    seen = {}
+    for name in OPENMP_RUNTIMES:
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+        except OSError:  # not loaded in this process
+            continue
+        lib.omp_set_num_threads(ctypes.c_int(n))
+        seen[name] = lib.omp_get_max_threads()
+    return seen
 
 
 # One process with a thread a core against a one-thread worker a core, the default model at 64 images a worker a

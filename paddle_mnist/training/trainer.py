@@ -193,7 +193,7 @@ def _check_start(cfg: Config, env: DistEnv) -> int:
     threads = cpu.threads_per_worker(cfg.cpu_threads, env.local_size)
     if env.device == "cpu":
         paddle.base.core.set_num_threads(threads)
-        onednn.set_openmp_threads(threads)  # oneDNN's OpenMP runtime too, which Paddle's setting does not reach
+        cpu.set_openmp_threads(threads)  # oneDNN's OpenMP runtime too, which Paddle's setting does not reach
     return threads
 
 

@@ -1,5 +1,5 @@
 // MiniGoogLeNet's and cifar_fast's training steps and evaluation in oneDNN's channel-blocked layout: Paddle custom operators with their gradient
-// operators, built with the convolutions of onednn_conv.cc (paddle_mnist/onednn.py).
+// operators, built into one library with the convolutions of onednn_conv.cc (paddle_mnist/ops/onednn.py).
 //
 // oneDNN's convolution kernels run on maps blocked by channels: by 8 with AVX2 (aBcd8b: N, C/8, H, W, 8), by 16
 // with AVX-512 (aBcd16b). Paddle's tensors are NCHW, so onednn_conv2d reorders its input, output and their

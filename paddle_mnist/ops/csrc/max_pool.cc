@@ -1,6 +1,6 @@
 // Max-pooling over 2x2 windows of stride 2 (no padding, floor mode: the pools of mnist_cnn and the default model)
-// on float32 NCHW CPU tensors, for training: a Paddle custom operator with its gradient operator, built with the
-// oneDNN convolutions (paddle_mnist/onednn.py).
+// on float32 NCHW CPU tensors, for training: a Paddle custom operator with its gradient operator, built into one
+// library with the oneDNN operators, cpu_ops (paddle_mnist/ops/onednn.py).
 //
 // Paddle's CPU max-pool kernels compare one window at a time with branches the processor cannot predict on real
 // data. This one runs four windows at a time in SSE2 registers and gives the same numbers as F.max_pool2d, to the

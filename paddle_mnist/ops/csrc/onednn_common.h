@@ -105,7 +105,7 @@ inline ConvSide conv_side(int64_t in, int64_t kernel, int stride, int padding) {
 
 // How many convolution primitives this process made on oneDNN's reference loops, which go element by element (a
 // processor without the instructions of oneDNN's JIT kernels for a layout): what onednn_reference_kernels reports,
-// and what the start-up check refuses (onednn.py).
+// and what the start-up check refuses (selfcheck.py).
 inline std::atomic<int64_t>& reference_kernels() {
   static std::atomic<int64_t> count{0};
   return count;

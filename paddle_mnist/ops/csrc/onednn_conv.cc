@@ -3,12 +3,13 @@
 // onednn_conv2d has no bias; onednn_conv2d_bias adds one per output channel inside oneDNN's kernel, and its
 // gradient comes out of the same pass as the weights' (oneDNN's backward-weights primitive sums it there).
 //
-// paddle_mnist/onednn.py builds this file once per machine and Paddle version against the libdnnl.so.3 that
-// Paddle's CPU wheel ships, and uses it in place of F.conv2d for training on the CPU. oneDNN picks the memory
-// layouts its kernels run fastest in (blocked by 8 or 16 channels); Paddle's NCHW buffers are reordered into them
-// and back around each call, through buffers made for the call. The primitives and the reorders of a shape are
-// kept by its first backward pass (PlanCache), so a training step only executes them; a forward pass without one
-// (evaluation) makes them for its call.
+// paddle_mnist/ops/onednn.py builds this file, with blocked.cc and max_pool.cc, into one library (cpu_ops) once
+// per machine and Paddle version against the libdnnl.so.3 that Paddle's CPU wheel ships, and ops/fastpath.py uses
+// it in place of F.conv2d for training on the CPU. oneDNN picks the memory layouts its kernels run fastest in
+// (blocked by 8 or 16 channels); Paddle's NCHW buffers are reordered into them and back around each call, through
+// buffers made for the call. The primitives and the reorders of a shape are kept by its first backward pass
+// (PlanCache), so a training step only executes them; a forward pass without one (evaluation) makes them for its
+// call.
 
 #include <dlfcn.h>
 
@@ -42,8 +43,20 @@ memory::desc bias_desc(const Geometry& g) {
   return memory::desc(g.bias_dims(), memory::data_type::f32, memory::format_tag::a);
 }
 
+// What oneDNN would otherwise refuse by aborting the process (a dnnl::error) or a division by a zero stride: the
+// input's channels against the weight's, the stride, the padding, and an output of at least one pixel a side.
+// Checked here, where the kernels and the shape inference both start.
+void check_geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding) {
+  PD_CHECK(x[1] == w[1], "onednn_conv2d: x has ", x[1], " channels, the weight takes ", w[1]);
+  PD_CHECK(stride >= 1, "onednn_conv2d: the stride must be 1 or more, not ", stride);
+  PD_CHECK(padding >= 0, "onednn_conv2d: the padding must be 0 or more, not ", padding);
+  PD_CHECK(x[2] + 2 * padding >= w[2] && x[3] + 2 * padding >= w[3], "onednn_conv2d: no output: the ", w[2], "x",
+           w[3], " kernel is larger than the input with its padding, ", x[2] + 2 * padding, "x", x[3] + 2 * padding);
+}
+
 Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
                   bool bias) {
+  check_geometry(x, w, stride, padding);
   const ConvSide h = conv_side(x[2], w[2], stride, padding), v = conv_side(x[3], w[3], stride, padding);
   return {{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], h.out, v.out},
           {stride, stride},        {padding, padding},        {h.pad_right, v.pad_right},
@@ -110,7 +123,7 @@ memory::desc with_batch(const Dims& dims, memory::format_tag tag) {
 
 // The OpenMP threads of the calling thread's next parallel regions, which oneDNN reads as it makes and runs a
 // primitive, set to n in every OpenMP runtime loaded (GNU's, which libdnnl.so.3 is linked against, and Intel's,
-// which MKL brings and which can serve oneDNN's calls in its place: onednn.set_openmp_threads sets both too), and
+// which MKL brings and which can serve oneDNN's calls in its place: runtime/cpu.py's set_openmp_threads sets both too), and
 // restored when this goes out of scope; n <= 0 changes nothing. A runtime that is not loaded is left alone.
 class OpenMPThreads {
  public:

@@ -1,0 +1,208 @@
+"""The seam between the networks and the operators: the one module network/ calls for its fast path.
+
+onednn.activate puts the loaded operators here (use); every function below then runs them where they run, and
+each caller keeps Paddle's own layer beside it for where they do not (another device, float16, paddle.jit.save's
+tracing, or no build). What models.py and exact.py ask:
+
+    runs(x)            whether the operators run a convolution of x: active, float32, CPU, dygraph
+    conv2d(...)        F.conv2d by onednn_conv2d(_bias) where runs(x), else F.conv2d (so paddle.jit.save, and with
+                       it Paddle Inference and ONNX, always get Paddle's); conv2d_grad64, its float64 backward pass
+    pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x (csrc/max_pool.cc)
+    blocks_now(l, x)   whether a network of conv modules runs x in oneDNN's layout blocked by BLOCK channels, then
+                       conv_bn_relu, conv_relu_folded, max_pool_blocked and concat_blocked (csrc/blocked.cc)
+    kept_plans()       how many plans the operators keep: a backward pass keeps its shape's, a few dozen per cache
+                       at most; evaluation keeps none, and no plan holds a buffer past its call
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import paddle
+import paddle.nn.functional as F
+
+from paddle_mnist.runtime import cpu
+
+PLAN_CACHE_CAPACITY = 64  # plans each operator keeps (PlanCache::kCapacity in csrc/onednn_common.h)
+PLAN_CACHES = 4  # the convolutions', the conv modules', the blocked max-pools' and the concatenations'
+AVX512_CORE = frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl"})  # what oneDNN's AVX-512 kernels need
+
+
+def channel_block(flags: set[str] | frozenset[str], environ: dict | os._Environ = os.environ) -> int:
+    """The channel block of the maps MiniGoogLeNet trains on: oneDNN's own for its convolution kernels, 16 with
+    AVX-512, else 8 (docs/performance.md measures both). 8 also where ONEDNN_MAX_CPU_ISA holds oneDNN below AVX-512
+    (AVX2 and older), as it holds its kernels (how a machine with AVX-512 runs the kernels of one without)."""
+    isa = environ.get("ONEDNN_MAX_CPU_ISA", environ.get("DNNL_MAX_CPU_ISA", "")).upper()
+    below_avx512 = isa.startswith(("SSE", "AVX2")) or isa == "AVX"
+    return 16 if AVX512_CORE <= flags and not below_avx512 else 8
+
+
+def _processor_flags() -> set[str]:
+    try:
+        return cpu.cpu_flags(Path("/proc/cpuinfo").read_text())[1]
+    except OSError:
+        return set()
+
+
+BLOCK = channel_block(_processor_flags())
+
+
+_ops = None  # the loaded operators' Python module, while active
+
+
+def use(ops) -> None:
+    """Route the networks through ops (the loaded operators' module), or through Paddle's layers alone (None)."""
+    global _ops
+    _ops = ops
+
+
+def active() -> bool:
+    return _ops is not None
+
+
+@contextlib.contextmanager
+def plain_layers():
+    """Paddle's own layers for every network run inside, the operators set aside for the while: for what must see
+    each layer run (the model summary's hooks), where evaluation would otherwise run blocked."""
+    global _ops
+    kept, _ops = _ops, None
+    try:
+        yield
+    finally:
+        _ops = kept
+
+
+@paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: False there
+def runs(x: paddle.Tensor) -> bool:
+    """Whether conv2d(x, ...) runs by oneDNN: the operator is active and x is a float32 CPU tensor in dygraph."""
+    return _ops is not None and x.dtype == paddle.float32 and paddle.in_dynamic_mode() and x.place.is_cpu_place()
+
+
+@paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: it then takes F.conv2d
+def conv2d(
+    x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias: paddle.Tensor | None = None
+) -> paddle.Tensor:
+    """F.conv2d(x, weight, bias, stride, padding), by oneDNN where it runs (runs(x))."""
+    if runs(x):
+        if bias is None:
+            return _ops.onednn_conv2d(x, weight, stride, padding, not x.stop_gradient)
+        return _ops.onednn_conv2d_bias(x, weight, bias, stride, padding, not x.stop_gradient)
+    return F.conv2d(x, weight, bias, stride=stride, padding=padding)
+
+
+@paddle.jit.not_to_static
+def conv2d_grad64(
+    x: paddle.Tensor, weight: paddle.Tensor, grad_out: paddle.Tensor, stride: int, padding: int, bias: bool
+) -> list[paddle.Tensor]:
+    """conv2d's backward pass where runs(x): the input's gradient in float32, the weights' (and the bias's) summed
+    over the batch in float64 (exact.py adds them up over micro-batches and workers before it rounds them)."""
+    op = _ops.onednn_conv2d_bias_grad64 if bias else _ops.onednn_conv2d_grad64
+    return op(x, weight, grad_out, stride, padding, not x.stop_gradient)
+
+
+def pools(x: paddle.Tensor, kernel: int, stride: int, padding: int, ceil_mode: bool) -> bool:
+    """Whether max_pool2x2(x) computes F.max_pool2d(x, kernel, stride, padding, ceil_mode): a 2x2 window of stride
+    2 without padding, in floor mode, where the operator runs (runs(x))."""
+    return kernel == 2 and stride == 2 and padding == 0 and not ceil_mode and runs(x)
+
+
+@paddle.jit.not_to_static
+def max_pool2x2(x: paddle.Tensor) -> paddle.Tensor:
+    """F.max_pool2d(x, 2, 2) by the operator of csrc/max_pool.cc; for where pools(x, ...) holds."""
+    return _ops.max_pool2x2(x)[0]
+
+
+def blocks(x: paddle.Tensor) -> bool:
+    """Whether conv_bn_relu, max_pool_blocked and concat_blocked run on x: where the operators run (runs(x)).
+    MiniGoogLeNet then trains in oneDNN's layout blocked by BLOCK channels (csrc/blocked.cc)."""
+    return runs(x)
+
+
+def blocks_now(layer: paddle.nn.Layer, x: paddle.Tensor) -> bool:
+    """Whether a network of conv modules runs x blocked: in training (conv_bn_relu), and in evaluation without
+    gradients (conv_relu_folded), where the operators run (blocks(x))."""
+    return blocks(x) and (layer.training or not paddle.is_grad_enabled())
+
+
+@paddle.jit.not_to_static
+def conv_bn_relu(
+    x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None, block: int | None = None
+) -> paddle.Tensor:
+    """relu(norm(conv(x))) in training, by oneDNN: x NCHW or blocked [N, C/B, H, W, B], the output blocked by B
+    channels: x's block where it is blocked, else `block` (BLOCK when None).
+
+    The batch norm normalises by the batch's mean and biased variance, and its running averages move as Paddle's
+    do: running = momentum * running + (1 - momentum) * batch. conv is a models.Conv2D (its geometry); ops, the
+    operators' module where it is not the active one (selfcheck).
+    """
+    stride, padding = conv.geometry["stride"], conv.geometry["padding"]
+    out, _, mean, variance = (ops or _ops).onednn_conv_bn_relu(
+        x,
+        conv.weight,
+        conv.bias,
+        norm.weight,
+        norm.bias,
+        stride,
+        padding,
+        norm._epsilon,
+        not x.stop_gradient,
+        x.shape[4] if x.ndim == 5 else block or BLOCK,
+    )
+    with paddle.no_grad():
+        m = norm._momentum
+        paddle.assign(norm._mean * m + mean * (1 - m), norm._mean)
+        paddle.assign(norm._variance * m + variance * (1 - m), norm._variance)
+    return out
+
+
+@paddle.jit.not_to_static
+def conv_relu_folded(
+    x: paddle.Tensor, conv: paddle.nn.Conv2D, norm: paddle.nn.BatchNorm2D, ops=None, block: int | None = None
+) -> paddle.Tensor:
+    """relu(norm(conv(x))) in evaluation, by oneDNN: batch norm by its running statistics, folded into the
+    convolution's weights and bias, ReLU as the convolution's post-op; x NCHW or blocked, the output blocked as
+    conv_bn_relu's. No gradient: for where paddle.no_grad() holds (blocks_now)."""
+    scale = norm.weight / paddle.sqrt(norm._variance + norm._epsilon)
+    weight = conv.weight * scale.reshape([-1, 1, 1, 1])
+    bias = (conv.bias - norm._mean) * scale + norm.bias
+    stride, padding = conv.geometry["stride"], conv.geometry["padding"]
+    block = x.shape[4] if x.ndim == 5 else block or BLOCK
+    return (ops or _ops).onednn_conv_relu_blocked(x, weight, bias, stride, padding, block)
+
+
+@paddle.jit.not_to_static
+def max_pool_blocked(x: paddle.Tensor, kernel: int, stride: int, ops=None) -> paddle.Tensor:
+    """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/B, H, W, B] (no padding, floor mode), by oneDNN."""
+    return (ops or _ops).onednn_max_pool_blocked(x, kernel, stride)[0]
+
+
+@paddle.jit.not_to_static
+def concat_blocked(a: paddle.Tensor, b: paddle.Tensor, ops=None) -> paddle.Tensor:
+    """paddle.concat([a, b], axis=1) of two blocked maps, by oneDNN on every thread (Paddle's copies on one), and
+    its gradient split in place from the output's."""
+    return (ops or _ops).onednn_concat_blocked(a, b)
+
+
+def _count(counter) -> int:
+    """The value of one of the operators' counters (its input is not read; a custom operator takes one)."""
+    return int(counter(paddle.zeros([1])).numpy()[0])
+
+
+def kept_plans(ops=None) -> int:
+    """How many plans (primitives made for one shape) the operators' caches keep, all together. Only backward
+    passes keep one, and each cache keeps at most PLAN_CACHE_CAPACITY (csrc/onednn_common.h's PlanCache)."""
+    return _count((ops or _ops).onednn_kept_plans)
+
+
+def reference_kernels(ops=None) -> int:
+    """How many convolution primitives this process made on oneDNN's reference loops (note_kernel in
+    csrc/onednn_common.h): selfcheck.check refuses a build that makes any."""
+    return _count((ops or _ops).onednn_reference_kernels)
+
+
+def unblock(x: paddle.Tensor) -> paddle.Tensor:
+    """A blocked map [N, C/B, H, W, B] as NCHW (for tests and checks; the network itself never needs it)."""
+    n, cb, h, w, b = x.shape
+    return x.transpose([0, 1, 4, 2, 3]).reshape([n, cb * b, h, w])
