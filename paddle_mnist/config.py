@@ -13,9 +13,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from paddle_mnist.datasets import augment
-from paddle_mnist.files import dashboard
-
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")  # built in: downloaded or shipped in data/
 FOLDER = "folder"  # the user's own images (folder.py)
 # (channels, height, width) of the built-in datasets' images; a folder's run records its own in config.json
@@ -562,25 +559,6 @@ def tta_each_epoch(cfg: Config) -> bool:
     return cfg.tta and bool(cfg.target_acc)
 
 
-def tta_problem(cfg: Config) -> str | None:
-    """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does."""
-    if not cfg.tta:
-        return None
-    if cfg.dataset != FOLDER:
-        if augment.POLICIES[cfg.dataset].flip:
-            return None
-        return (
-            f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
-            "(a mirrored digit is another shape): drop --tta"
-        )
-    if cfg.flip:
-        return None
-    return (
-        "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
-        "keeps the class, or drop --tta"
-    )
-
-
 def profile_window(text: str) -> tuple[int, int] | None:
     """--profile-steps "A:B" as (A, B), both counted from 1 and included; None when off."""
     if not text:
@@ -620,8 +598,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
     _check_folder_flags(cfg)
     _check_start_flags(cfg)
-    if problem := tta_problem(cfg):
-        raise ConfigError(problem)
     if cfg.tta_shift and not cfg.tta:
         raise ConfigError("--tta-shift adds moved views to --tta's: add --tta, or drop --tta-shift")
     if cfg.shift is not None and not cfg.augment:
@@ -641,8 +617,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
     profile_window(cfg.profile_steps)
     if cfg.keep_checkpoints == 0:
         raise ConfigError("--keep-checkpoints must be at least 1: resuming needs the last checkpoint")
-    if cfg.visualdl and (problem := dashboard.missing()):  # on every rank, before any of them starts
-        raise ConfigError(problem)
     return cfg
 
 

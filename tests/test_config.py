@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from paddle_mnist import config
+from paddle_mnist import cli, config
 from paddle_mnist.network.models import MODELS
 
 
@@ -65,17 +65,18 @@ def test_shift_and_label_smoothing_flags_are_checked():
 
 
 def test_tta_on_a_folder_needs_flip(tmp_path):
-    """--tta mirrors the evaluation images: on a folder it goes with --flip, which trains on mirrored ones."""
+    """--tta mirrors the evaluation images: on a folder it goes with --flip, which trains on mirrored ones. The
+    command line's checks (cli.parse_command) ask the augmentation's policy, which the configuration cannot."""
     base = ["--dataset", "folder", "--data-dir", str(tmp_path), "--tta"]
-    assert config.parse_args([*base, "--flip"]).tta
+    assert cli.parse_command([*base, "--flip"]).tta
     with pytest.raises(config.ConfigError) as e:
-        config.parse_args(base)
+        cli.parse_command(base)
     assert str(e.value) == (
         "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
         "keeps the class, or drop --tta"
     )
     with pytest.raises(config.ConfigError, match="^--flip applies to --dataset folder only"):
-        config.parse_args(["--dataset", "cifar10", "--flip"])
+        cli.parse_command(["--dataset", "cifar10", "--flip"])
     with pytest.raises(config.ConfigError, match="mnist's classes are not mirror-symmetric"):
-        config.parse_args(["--dataset", "mnist", "--tta"])
-    assert config.parse_args(["--dataset", "cifar10", "--tta"]).tta
+        cli.parse_command(["--dataset", "mnist", "--tta"])
+    assert cli.parse_command(["--dataset", "cifar10", "--tta"]).tta

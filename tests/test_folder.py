@@ -36,6 +36,7 @@ from helpers import (
 )
 from PIL import Image
 
+from paddle_mnist.cli import parse_command
 from paddle_mnist.config import ConfigError, parse_args
 from paddle_mnist.datasets import augment, data, folder, preprocess
 from paddle_mnist.datasets.formats import DataError
@@ -537,8 +538,8 @@ def test_folder_flags(tmp_path):
         ([*base, "--tta"], "add --flip if a mirror keeps the class"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            parse_args(argv)
-    assert parse_args([*base, "--tta", "--flip"]).tta
+            parse_command(argv)
+    assert parse_command([*base, "--tta", "--flip"]).tta
     grey = (1, 20, 20)
     assert not augment.policy_for("folder", grey).flip and augment.policy_for("folder", grey, flip=True).flip
 
