@@ -78,7 +78,7 @@ def _run_command(argv: list[str] | None) -> int:
     lock = RunLock(cfg.output_dir)
     stop.on_abort.append(lock.release)
     try:
-        train_and_evaluate(resolve_for_world(cfg, env.world_size), env, log, stop, lock, convolutions)
+        train_and_evaluate(resolve_for_world(cfg, env.world_size), env, log, lock, stop, convolutions)
     except Preempted as e:
         log.warning(str(e))
         cause = events.SIGNAL_ECHO if e.took is not None else events.SIGNAL

@@ -292,15 +292,15 @@ def train_and_evaluate(
     cfg: Config,
     env: DistEnv,
     log: logging.Logger,
+    lock: RunLock,
     stop: StopSignals | None = None,
-    lock: RunLock | None = None,
     convolutions: onednn.Prepared | None = None,
 ) -> dict:
     """The job on this worker: data, model, resume, train epoch by epoch, then the final weights, the test score,
-    results.json and the export; its results. stop: the installed signal handlers (none: a signal is never
-    recorded); convolutions: oneDNN's operator as prepared before the process group (none: prepared here)."""
+    results.json and the export; its results. lock: the run's lock on --output-dir, the caller's to release (rank
+    0 takes it here, once the output directory is judged); stop: the installed signal handlers (none: a signal is
+    never recorded); convolutions: oneDNN's operator as prepared before the process group (none: prepared here)."""
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
-    lock = lock or RunLock(cfg.output_dir)
     threads = _check_start(cfg, env)
     log.info(  # before the data: a folder's first cache build can take minutes
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
