@@ -10,7 +10,7 @@ import signal
 import sys
 import traceback
 
-from paddle_mnist.config import Config, ConfigError, parse_args, resolve_for_world
+from paddle_mnist.config import Config, ConfigError, parse_args
 from paddle_mnist.datasets import augment, data
 from paddle_mnist.files import checkpoint, dashboard, events
 from paddle_mnist.files.log import get_logger
@@ -78,7 +78,7 @@ def _run_command(argv: list[str] | None) -> int:
     lock = RunLock(cfg.output_dir)
     stop.on_abort.append(lock.release)
     try:
-        train_and_evaluate(resolve_for_world(cfg, env.world_size), env, log, lock, stop, convolutions)
+        train_and_evaluate(cfg, env, log, lock, stop, convolutions)
     except Preempted as e:
         log.warning(str(e))
         cause = events.SIGNAL_ECHO if e.took is not None else events.SIGNAL

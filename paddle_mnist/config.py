@@ -153,7 +153,7 @@ class Config:
     flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
     skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
-    classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in once the data is loaded
+    classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in by resolve
     from_recipe: tuple[str, ...] = RECIPE_FLAGS  # not a flag: the RECIPE_FLAGS the command line left to the recipe
 
     def to_json(self) -> str:
@@ -620,8 +620,18 @@ def parse_args(argv: list[str] | None = None) -> Config:
     return cfg
 
 
-def resolve_for_world(cfg: Config, world_size: int) -> Config:
-    """Fix the global batch for this many workers and check that it splits evenly into micro-batches."""
+@dataclass(frozen=True)
+class DataFacts:
+    """What the run's configuration takes from its data, read before the configuration is resolved (resolve)."""
+
+    classes: tuple[str, ...]
+    train_images: int  # in the dataset's training split, before --train-limit
+    image_size: str = ""  # a folder's "WxH" as decoded; "" for a built-in dataset (IMAGE_SHAPES has its size)
+    channels: int = 0  # a folder's 1 or 3 as decoded; 0 for a built-in dataset
+
+
+def global_batch(cfg: Config, world_size: int) -> int:
+    """The global batch for this many workers; ConfigError unless it splits evenly into micro-batches."""
     batch = cfg.batch_size or PER_WORKER_BATCH * world_size
     parts = world_size * cfg.accum_steps
     if batch % parts:
@@ -631,20 +641,38 @@ def resolve_for_world(cfg: Config, world_size: int) -> Config:
             f"--batch-size {batch} does not divide by {into}: "
             f"pass a multiple of {parts}, e.g. --batch-size {lower or parts}"
         )
-    return dataclasses.replace(cfg, batch_size=batch)
+    return batch
 
 
-def stretch_for_steps(cfg: Config, steps_per_epoch: int) -> Config:
-    """The recipe on a small training split: when its epochs give fewer than --min-steps optimizer steps, as many
-    epochs as it takes to reach them, and a recipe's warmup stretched alike (the same share of the run), so the
-    schedule keeps its shape. Epochs or a warmup given on the command line are kept as given. A run stretched
-    once is left as it is, so a resumed run plans the same schedule."""
-    planned = cfg.epochs * steps_per_epoch
-    if "epochs" not in cfg.from_recipe or planned >= cfg.min_steps or steps_per_epoch == 0:
-        return cfg
-    epochs = math.ceil(cfg.min_steps / steps_per_epoch)
+def steps_per_epoch(train_images: int, batch: int, world_size: int) -> int:
+    """Optimizer steps in an epoch, as the training sampler (DistributedBatchSampler, drop_last) counts them: each
+    worker's ceil(images / workers) indices, in whole shares of the global batch."""
+    return math.ceil(train_images / world_size) // (batch // world_size)
+
+
+def _stretched(cfg: Config, steps: int) -> tuple[int, float]:
+    """(epochs, warmup epochs) of the recipe on a small training split: when its epochs give fewer than --min-steps
+    optimizer steps, as many epochs as it takes to reach them, and a recipe's warmup stretched alike (the same share
+    of the run), so the schedule keeps its shape. Epochs or a warmup given on the command line are kept as given."""
+    if "epochs" not in cfg.from_recipe or cfg.epochs * steps >= cfg.min_steps or steps == 0:
+        return cfg.epochs, cfg.warmup_epochs
+    epochs = math.ceil(cfg.min_steps / steps)
     warmup = cfg.warmup_epochs * epochs / cfg.epochs if "warmup_epochs" in cfg.from_recipe else cfg.warmup_epochs
-    return dataclasses.replace(cfg, epochs=epochs, warmup_epochs=warmup)
+    return epochs, warmup
+
+
+def resolve(cfg: Config, world_size: int, facts: DataFacts) -> Config:
+    """The run's configuration, in one step, from the command line's (parse_args), the number of workers and the
+    data's facts: the global batch for the workers, the class names, a folder's image size and channels as decoded,
+    and the recipe stretched over a small training split (_stretched). Nothing replaces it afterwards: it is what
+    config.json and every checkpoint hold. A resolved configuration resolves to itself, so a resumed run plans the
+    same schedule."""
+    batch = global_batch(cfg, world_size)
+    train = min(facts.train_images, cfg.train_limit) if cfg.train_limit else facts.train_images
+    epochs, warmup = _stretched(cfg, steps_per_epoch(train, batch, world_size))
+    given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    found = {"classes": tuple(facts.classes), "image_size": facts.image_size, "channels": facts.channels}
+    return Config(**{**given, **found, "batch_size": batch, "epochs": epochs, "warmup_epochs": warmup})
 
 
 def effective_lr(cfg: Config) -> float:
