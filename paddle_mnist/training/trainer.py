@@ -304,7 +304,7 @@ def train_and_evaluate(
     stop: the installed signal handlers (none: a signal is never recorded); convolutions: oneDNN's operator as
     prepared before the process group (none: prepared here)."""
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
-    global_batch(flags, env.world_size)  # a batch the workers cannot split is refused before the data is read
+    batch = global_batch(flags, env.world_size)  # a batch the workers cannot split is refused before the data is read
     threads = _check_start(flags, env)
     log.info(  # before the data: a folder's first cache build can take minutes
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
@@ -315,7 +315,8 @@ def train_and_evaluate(
     except onednn.Unavailable as e:
         raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
     # before the first collective whose shape follows the flags: ranks that differ stop here, naming the difference
-    agreement.agree(agreement.job_facts(flags, "oneDNN" if onednn.active() else "Paddle's"), env)
+    job = agreement.job_facts(flags, "oneDNN" if onednn.active() else "Paddle's")
+    agreement.agree({**job, "--batch-size": batch}, env)  # the global batch: a default and its value given agree
     ds, facts = _load_data(flags, env, log, stop)
     cfg = resolve(flags, env.world_size, facts)
     if env.world_size > 1:
