@@ -1,4 +1,4 @@
-"""The run's configuration: one frozen dataclass, built from the command line and validated once.
+"""The run's configuration: one frozen dataclass, parsed from the command line, checked, then resolved once.
 
 Long because every flag lives here with its default, its model recipe and its check, so --help, the
 validation and config.json read one source.
@@ -181,7 +181,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = Config()
+    """The trainer's parser: one function per group of flags, each adding its flags in --help's order (the last two
+    add the argument groups --help shows apart)."""
     p = argparse.ArgumentParser(
         prog="train.py",
         description=(
@@ -191,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=recipe_table(),
         formatter_class=HelpFormatter,
     )
+    d = Config()
+    for add in (_data, _length, _batch, _gpus, _optimiser, _evaluation, _sample, _outputs, _runtime, _start, _folder):
+        add(p, d)
+    return p
+
+
+def _data(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--dataset", default=d.dataset, choices=(*DATASETS, FOLDER), help="dataset to train on")
     p.add_argument(
         "--data-dir",
@@ -213,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(None: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/14 of the image's shorter side, rounded down, "
         "at least 1)",
     )
+
+
+def _length(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--model", default=d.model, choices=tuple(RECIPES), help="network to train")
     p.add_argument(
         "--epochs",
@@ -233,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-steps",
         "stop after this many optimizer steps in all; the schedule stays planned over --epochs (0: no limit)",
     )
+
+
+def _batch(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--batch-size",
         type=_non_negative("--batch-size"),
@@ -266,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         "build each optimizer step from this many micro-batches per worker (memory per micro-batch shrinks; "
         "gradients are all-reduced once per step)",
     )
+
+
+def _gpus(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--sync-bn",
         action="store_true",
@@ -277,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=AMP,
         help="mixed precision on GPUs: fp16 (compute capability 7.0+, with loss scaling) or bf16 (8.0+); off: float32",
     )
+
+
+def _optimiser(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument(
         "--nesterov",
@@ -317,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="every 5 steps pull the weights back to a slow copy of them that follows them ever more slowly as the "
         "run goes on, and end the run on the slow copy (airbench94's lookahead)",
     )
+
+
+def _evaluation(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--tta",
         action="store_true",
@@ -337,9 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="end the run, with checkpoint, weights and results, at the first evaluation whose accuracy reaches this "
         "(e.g. 0.91; 0: train all --epochs)",
     )
+
+
+def _sample(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
     _add_count(p, "--train-limit", "use only the first N training images (0: all)")
     _add_count(p, "--eval-limit", "use only the first N test images (0: all)")
+
+
+def _outputs(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--output-dir", default=d.output_dir, help="where rank 0 writes metrics, checkpoints and weights")
     p.add_argument(
         "--export",
@@ -373,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank 0 also writes its scalars (per progress line and per epoch) to OUTPUT_DIR/visualdl for "
         "visualdl --logdir OUTPUT_DIR/visualdl (pip install -r requirements-visualdl.txt)",
     )
+
+
+def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--collective-timeout",
         type=float,
@@ -403,12 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="record optimizer steps A to B (counted from 1 over the whole run) with paddle.profiler on every worker; "
         "the trace and the operator table go to OUTPUT_DIR/profile/, the five costliest operators to the log",
     )
-    _add_start_flags(p, d)
-    _add_folder_flags(p, d)
-    return p
 
 
-def _add_start_flags(p: argparse.ArgumentParser, d: Config) -> None:
+def _start(p: argparse.ArgumentParser, d: Config) -> None:
     start = p.add_argument_group("starting from trained weights (docs/training.md#fine-tuning)")
     start.add_argument(
         "--init-from",
@@ -442,7 +471,7 @@ def _add_start_flags(p: argparse.ArgumentParser, d: Config) -> None:
     )
 
 
-def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
+def _folder(p: argparse.ArgumentParser, d: Config) -> None:
     folder = p.add_argument_group("--dataset folder (your own images in DATA_DIR/train/<class>/...)")
     folder.add_argument(
         "--image-size",
