@@ -814,7 +814,7 @@ def test_the_readme_folder_command_trains_cifar10_from_a_cold_cache(tmp_path):
     logs = [worker_log(tmp_path / "log", r) for r in (0, 1)]
     assert "decoding 60000 images" in logs[0] and re.search(r"decoded 60000 images in [\d.]+ s \(\d+ images/s", logs[0])
     assert "waiting for the folder's cache: rank 0 at" in logs[1] and "decoding" not in logs[1]
-    cache = folder.find(folder.list_folder(root), folder.Request("", 0, 0.1, False), folder.default_cache_dir(root))
+    cache = folder.find(folder.list_folder(root), folder.Request(None, 0, 0.1, False), folder.default_cache_dir(root))
     assert cache is not None and cache.name == "32x32-rgb-val0.1"
     manifest = folder.read_manifest(cache)
     assert manifest["counts"] == {"train": 45000, "val": 5000, "test": 10000} and manifest["channels"] == 3
