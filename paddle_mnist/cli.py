@@ -10,9 +10,9 @@ import signal
 import sys
 import traceback
 
-from paddle_mnist.config import ConfigError, parse_args, resolve_for_world
-from paddle_mnist.datasets import data
-from paddle_mnist.files import checkpoint, events
+from paddle_mnist.config import Config, ConfigError, parse_args
+from paddle_mnist.datasets import augment, data
+from paddle_mnist.files import checkpoint, dashboard, events
 from paddle_mnist.files.log import get_logger
 from paddle_mnist.files.outputs import WriteFailed
 from paddle_mnist.ops import onednn
@@ -42,6 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def parse_command(argv: list[str] | None = None) -> Config:
+    """The command line as a Config, every flag checked on every rank before any worker starts: config.parse_args's
+    checks, then those that ask a room above the configuration (the augmentation's mirror policy for --tta, the
+    dashboard's package for --visualdl)."""
+    cfg = parse_args(argv)
+    if cfg.tta and (problem := augment.tta_problem(cfg.dataset, cfg.flip)):
+        raise ConfigError(problem)
+    if cfg.visualdl and (problem := dashboard.missing()):
+        raise ConfigError(problem)
+    return cfg
+
+
 def _run_command(argv: list[str] | None) -> int:
     cpu.prefer_fast_kernels()  # first: MKL reads its settings at the first matmul or convolution
     cpu.steady_malloc()  # before the data and the network are allocated
@@ -53,7 +65,7 @@ def _run_command(argv: list[str] | None) -> int:
     stop = StopSignals().install()  # then take SIGTERM/SIGINT over: Paddle's import installed handlers that abort
     stop.watch_launcher()  # and a SIGTERM if the launcher dies: its workers run in sessions of their own
     try:
-        cfg = parse_args(argv)
+        cfg = parse_command(argv)
         # before the process group: a first build (seconds to a minute) must not hold peers in a collective
         convolutions = onednn.prepare(cfg.conv_backend)
         env = distributed.setup()
@@ -66,7 +78,7 @@ def _run_command(argv: list[str] | None) -> int:
     lock = RunLock(cfg.output_dir)
     stop.on_abort.append(lock.release)
     try:
-        train_and_evaluate(resolve_for_world(cfg, env.world_size), env, log, stop, lock, convolutions)
+        train_and_evaluate(cfg, env, log, lock, stop, convolutions)
     except Preempted as e:
         log.warning(str(e))
         cause = events.SIGNAL_ECHO if e.took is not None else events.SIGNAL

@@ -1,4 +1,4 @@
-"""The run's configuration: one frozen dataclass, built from the command line and validated once.
+"""The run's configuration: one frozen dataclass, parsed from the command line, checked, then resolved once.
 
 Long because every flag lives here with its default, its model recipe and its check, so --help, the
 validation and config.json read one source.
@@ -12,9 +12,6 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-from paddle_mnist.datasets import augment
-from paddle_mnist.files import dashboard
 
 DATASETS = ("fashion-mnist", "mnist", "cifar10", "mnist-json")  # built in: downloaded or shipped in data/
 FOLDER = "folder"  # the user's own images (folder.py)
@@ -156,7 +153,7 @@ class Config:
     flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
     skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
-    classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in once the data is loaded
+    classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in by resolve
     from_recipe: tuple[str, ...] = RECIPE_FLAGS  # not a flag: the RECIPE_FLAGS the command line left to the recipe
 
     def to_json(self) -> str:
@@ -184,7 +181,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = Config()
+    """The trainer's parser: one function per group of flags, each adding its flags in --help's order (the last two
+    add the argument groups --help shows apart)."""
     p = argparse.ArgumentParser(
         prog="train.py",
         description=(
@@ -194,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=recipe_table(),
         formatter_class=HelpFormatter,
     )
+    d = Config()
+    for add in (_data, _length, _batch, _gpus, _optimiser, _evaluation, _sample, _outputs, _runtime, _start, _folder):
+        add(p, d)
+    return p
+
+
+def _data(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--dataset", default=d.dataset, choices=(*DATASETS, FOLDER), help="dataset to train on")
     p.add_argument(
         "--data-dir",
@@ -216,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(None: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/14 of the image's shorter side, rounded down, "
         "at least 1)",
     )
+
+
+def _length(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--model", default=d.model, choices=tuple(RECIPES), help="network to train")
     p.add_argument(
         "--epochs",
@@ -236,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-steps",
         "stop after this many optimizer steps in all; the schedule stays planned over --epochs (0: no limit)",
     )
+
+
+def _batch(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--batch-size",
         type=_non_negative("--batch-size"),
@@ -269,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         "build each optimizer step from this many micro-batches per worker (memory per micro-batch shrinks; "
         "gradients are all-reduced once per step)",
     )
+
+
+def _gpus(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--sync-bn",
         action="store_true",
@@ -280,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=AMP,
         help="mixed precision on GPUs: fp16 (compute capability 7.0+, with loss scaling) or bf16 (8.0+); off: float32",
     )
+
+
+def _optimiser(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument(
         "--nesterov",
@@ -320,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="every 5 steps pull the weights back to a slow copy of them that follows them ever more slowly as the "
         "run goes on, and end the run on the slow copy (airbench94's lookahead)",
     )
+
+
+def _evaluation(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--tta",
         action="store_true",
@@ -340,9 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="end the run, with checkpoint, weights and results, at the first evaluation whose accuracy reaches this "
         "(e.g. 0.91; 0: train all --epochs)",
     )
+
+
+def _sample(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
     _add_count(p, "--train-limit", "use only the first N training images (0: all)")
     _add_count(p, "--eval-limit", "use only the first N test images (0: all)")
+
+
+def _outputs(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--output-dir", default=d.output_dir, help="where rank 0 writes metrics, checkpoints and weights")
     p.add_argument(
         "--export",
@@ -376,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="rank 0 also writes its scalars (per progress line and per epoch) to OUTPUT_DIR/visualdl for "
         "visualdl --logdir OUTPUT_DIR/visualdl (pip install -r requirements-visualdl.txt)",
     )
+
+
+def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--collective-timeout",
         type=float,
@@ -406,12 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="record optimizer steps A to B (counted from 1 over the whole run) with paddle.profiler on every worker; "
         "the trace and the operator table go to OUTPUT_DIR/profile/, the five costliest operators to the log",
     )
-    _add_start_flags(p, d)
-    _add_folder_flags(p, d)
-    return p
 
 
-def _add_start_flags(p: argparse.ArgumentParser, d: Config) -> None:
+def _start(p: argparse.ArgumentParser, d: Config) -> None:
     start = p.add_argument_group("starting from trained weights (docs/training.md#fine-tuning)")
     start.add_argument(
         "--init-from",
@@ -445,7 +471,7 @@ def _add_start_flags(p: argparse.ArgumentParser, d: Config) -> None:
     )
 
 
-def _add_folder_flags(p: argparse.ArgumentParser, d: Config) -> None:
+def _folder(p: argparse.ArgumentParser, d: Config) -> None:
     folder = p.add_argument_group("--dataset folder (your own images in DATA_DIR/train/<class>/...)")
     folder.add_argument(
         "--image-size",
@@ -562,25 +588,6 @@ def tta_each_epoch(cfg: Config) -> bool:
     return cfg.tta and bool(cfg.target_acc)
 
 
-def tta_problem(cfg: Config) -> str | None:
-    """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does."""
-    if not cfg.tta:
-        return None
-    if cfg.dataset != FOLDER:
-        if augment.POLICIES[cfg.dataset].flip:
-            return None
-        return (
-            f"--tta mirrors the evaluation images, but {cfg.dataset}'s classes are not mirror-symmetric "
-            "(a mirrored digit is another shape): drop --tta"
-        )
-    if cfg.flip:
-        return None
-    return (
-        "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
-        "keeps the class, or drop --tta"
-    )
-
-
 def profile_window(text: str) -> tuple[int, int] | None:
     """--profile-steps "A:B" as (A, B), both counted from 1 and included; None when off."""
     if not text:
@@ -620,8 +627,6 @@ def parse_args(argv: list[str] | None = None) -> Config:
         raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
     _check_folder_flags(cfg)
     _check_start_flags(cfg)
-    if problem := tta_problem(cfg):
-        raise ConfigError(problem)
     if cfg.tta_shift and not cfg.tta:
         raise ConfigError("--tta-shift adds moved views to --tta's: add --tta, or drop --tta-shift")
     if cfg.shift is not None and not cfg.augment:
@@ -641,13 +646,21 @@ def parse_args(argv: list[str] | None = None) -> Config:
     profile_window(cfg.profile_steps)
     if cfg.keep_checkpoints == 0:
         raise ConfigError("--keep-checkpoints must be at least 1: resuming needs the last checkpoint")
-    if cfg.visualdl and (problem := dashboard.missing()):  # on every rank, before any of them starts
-        raise ConfigError(problem)
     return cfg
 
 
-def resolve_for_world(cfg: Config, world_size: int) -> Config:
-    """Fix the global batch for this many workers and check that it splits evenly into micro-batches."""
+@dataclass(frozen=True)
+class DataFacts:
+    """What the run's configuration takes from its data, read before the configuration is resolved (resolve)."""
+
+    classes: tuple[str, ...]
+    train_images: int  # in the dataset's training split, before --train-limit
+    image_size: str = ""  # a folder's "WxH" as decoded; "" for a built-in dataset (IMAGE_SHAPES has its size)
+    channels: int = 0  # a folder's 1 or 3 as decoded; 0 for a built-in dataset
+
+
+def global_batch(cfg: Config, world_size: int) -> int:
+    """The global batch for this many workers; ConfigError unless it splits evenly into micro-batches."""
     batch = cfg.batch_size or PER_WORKER_BATCH * world_size
     parts = world_size * cfg.accum_steps
     if batch % parts:
@@ -657,20 +670,38 @@ def resolve_for_world(cfg: Config, world_size: int) -> Config:
             f"--batch-size {batch} does not divide by {into}: "
             f"pass a multiple of {parts}, e.g. --batch-size {lower or parts}"
         )
-    return dataclasses.replace(cfg, batch_size=batch)
+    return batch
 
 
-def stretch_for_steps(cfg: Config, steps_per_epoch: int) -> Config:
-    """The recipe on a small training split: when its epochs give fewer than --min-steps optimizer steps, as many
-    epochs as it takes to reach them, and a recipe's warmup stretched alike (the same share of the run), so the
-    schedule keeps its shape. Epochs or a warmup given on the command line are kept as given. A run stretched
-    once is left as it is, so a resumed run plans the same schedule."""
-    planned = cfg.epochs * steps_per_epoch
-    if "epochs" not in cfg.from_recipe or planned >= cfg.min_steps or steps_per_epoch == 0:
-        return cfg
-    epochs = math.ceil(cfg.min_steps / steps_per_epoch)
+def steps_per_epoch(train_images: int, batch: int, world_size: int) -> int:
+    """Optimizer steps in an epoch, as the training sampler (DistributedBatchSampler, drop_last) counts them: each
+    worker's ceil(images / workers) indices, in whole shares of the global batch."""
+    return math.ceil(train_images / world_size) // (batch // world_size)
+
+
+def _stretched(cfg: Config, steps: int) -> tuple[int, float]:
+    """(epochs, warmup epochs) of the recipe on a small training split: when its epochs give fewer than --min-steps
+    optimizer steps, as many epochs as it takes to reach them, and a recipe's warmup stretched alike (the same share
+    of the run), so the schedule keeps its shape. Epochs or a warmup given on the command line are kept as given."""
+    if "epochs" not in cfg.from_recipe or cfg.epochs * steps >= cfg.min_steps or steps == 0:
+        return cfg.epochs, cfg.warmup_epochs
+    epochs = math.ceil(cfg.min_steps / steps)
     warmup = cfg.warmup_epochs * epochs / cfg.epochs if "warmup_epochs" in cfg.from_recipe else cfg.warmup_epochs
-    return dataclasses.replace(cfg, epochs=epochs, warmup_epochs=warmup)
+    return epochs, warmup
+
+
+def resolve(cfg: Config, world_size: int, facts: DataFacts) -> Config:
+    """The run's configuration, in one step, from the command line's (parse_args), the number of workers and the
+    data's facts: the global batch for the workers, the class names, a folder's image size and channels as decoded,
+    and the recipe stretched over a small training split (_stretched). Nothing replaces it afterwards: it is what
+    config.json and every checkpoint hold. A resolved configuration resolves to itself, so a resumed run plans the
+    same schedule."""
+    batch = global_batch(cfg, world_size)
+    train = min(facts.train_images, cfg.train_limit) if cfg.train_limit else facts.train_images
+    epochs, warmup = _stretched(cfg, steps_per_epoch(train, batch, world_size))
+    given = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(Config)}
+    found = {"classes": tuple(facts.classes), "image_size": facts.image_size, "channels": facts.channels}
+    return Config(**{**given, **found, "batch_size": batch, "epochs": epochs, "warmup_epochs": warmup})
 
 
 def effective_lr(cfg: Config) -> float:

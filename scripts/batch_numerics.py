@@ -196,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     flags = ["--model", args.model, "--dataset", args.dataset, "--seed", str(args.seed)]
     flags += ["--batch-size", str(args.batch_size)] + (["--data-dir", args.data_dir] if args.data_dir else [])
-    cfg = config.resolve_for_world(config.parse_args(flags), 1)
     ds = data.load_dataset(args.dataset, args.data_dir)
+    cfg = config.resolve(config.parse_args(flags), 1, config.DataFacts(ds.classes, len(ds.train)))
     paddle.seed(args.seed)
     per_epoch = len(ds.train) // cfg.batch_size
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, ONE_PROCESS, per_epoch)

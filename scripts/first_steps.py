@@ -60,7 +60,7 @@ def first_losses(
     below limit, or for `steps` steps. Batch norm normalises over the whole global batch here, where each worker
     would normalise over its own share."""
     argv = ["--model", model, "--dataset", ds.name, "--seed", str(seed), *flags]
-    cfg = config.resolve_for_world(config.parse_args(argv), workers)
+    cfg = config.resolve(config.parse_args(argv), workers, config.DataFacts(ds.classes, len(ds.train)))
     per_epoch = len(ds.train) // cfg.batch_size
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, ONE_PROCESS, per_epoch)
     batches = data.TrainBatches(ds.train, ds, cfg.batch_size, 0, 1, cfg)

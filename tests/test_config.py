@@ -6,21 +6,52 @@ import dataclasses
 
 import pytest
 
-from paddle_mnist import config
+from paddle_mnist import cli, config
+from paddle_mnist.datasets import data
 from paddle_mnist.network.models import MODELS
+
+FASHION = config.DataFacts(("t-shirt", "trouser"), 60000)  # two of its class names are enough here
 
 
 def test_default_global_batch_is_64_per_worker():
     cfg = config.parse_args([])
-    assert config.resolve_for_world(cfg, 1).batch_size == 64
-    assert config.resolve_for_world(cfg, 4).batch_size == 256
+    assert config.global_batch(cfg, 1) == config.resolve(cfg, 1, FASHION).batch_size == 64
+    assert config.global_batch(cfg, 4) == config.resolve(cfg, 4, FASHION).batch_size == 256
 
 
 def test_batch_that_does_not_split_is_refused():
     cfg = config.parse_args(["--batch-size", "63"])
-    with pytest.raises(config.ConfigError, match="does not divide by the 2 workers"):
-        config.resolve_for_world(cfg, 2)
-    assert config.resolve_for_world(cfg, 1).batch_size == 63
+    for refused in (lambda: config.global_batch(cfg, 2), lambda: config.resolve(cfg, 2, FASHION)):
+        with pytest.raises(config.ConfigError, match="does not divide by the 2 workers"):
+            refused()
+    assert config.resolve(cfg, 1, FASHION).batch_size == 63
+
+
+def test_the_configuration_is_resolved_once_with_the_datas_facts():
+    """resolve fills in what the command line leaves open: the class names, a folder's decoded size and channels;
+    resolving its result again changes nothing. Every other field is the command line's."""
+    argv = ["--dataset", "folder", "--data-dir", "d", "--train-limit", "100", "--epochs", "3"]
+    flags = config.parse_args(argv)
+    cfg = config.resolve(flags, 2, config.DataFacts(("cat", "dog"), 1000, "64x48", 3))
+    assert (cfg.classes, cfg.image_size, cfg.channels, cfg.batch_size) == (("cat", "dog"), "64x48", 3, 128)
+    assert config.image_shape(cfg) == (3, 48, 64)
+    assert config.resolve(cfg, 2, config.DataFacts(("cat", "dog"), 1000, "64x48", 3)) == cfg
+    left = {"classes", "image_size", "channels", "batch_size"}
+    assert {f: getattr(cfg, f) for f in vars(cfg) if f not in left} == {
+        f: getattr(flags, f) for f in vars(flags) if f not in left
+    }
+    builtin = config.resolve(config.parse_args([]), 1, FASHION)
+    assert (builtin.classes, builtin.image_size, builtin.channels) == (FASHION.classes, "", 0)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_steps_of_an_epoch_are_the_samplers(world_size):
+    """resolve counts an epoch's steps (for --min-steps) as the training sampler does, without building one."""
+    for images in (0, 1, 63, 64, 127, 128, 129, 500, 1350, 60000):
+        for per_worker in (1, 7, 32, 64):
+            sampler = data.make_sampler(images, per_worker, 0, world_size) if images else []
+            batch = per_worker * world_size
+            assert config.steps_per_epoch(images, batch, world_size) == len(sampler), (images, per_worker)
 
 
 def test_resume_and_overwrite_together_are_refused():
@@ -65,17 +96,18 @@ def test_shift_and_label_smoothing_flags_are_checked():
 
 
 def test_tta_on_a_folder_needs_flip(tmp_path):
-    """--tta mirrors the evaluation images: on a folder it goes with --flip, which trains on mirrored ones."""
+    """--tta mirrors the evaluation images: on a folder it goes with --flip, which trains on mirrored ones. The
+    command line's checks (cli.parse_command) ask the augmentation's policy, which the configuration cannot."""
     base = ["--dataset", "folder", "--data-dir", str(tmp_path), "--tta"]
-    assert config.parse_args([*base, "--flip"]).tta
+    assert cli.parse_command([*base, "--flip"]).tta
     with pytest.raises(config.ConfigError) as e:
-        config.parse_args(base)
+        cli.parse_command(base)
     assert str(e.value) == (
         "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
         "keeps the class, or drop --tta"
     )
     with pytest.raises(config.ConfigError, match="^--flip applies to --dataset folder only"):
-        config.parse_args(["--dataset", "cifar10", "--flip"])
+        cli.parse_command(["--dataset", "cifar10", "--flip"])
     with pytest.raises(config.ConfigError, match="mnist's classes are not mirror-symmetric"):
-        config.parse_args(["--dataset", "mnist", "--tta"])
-    assert config.parse_args(["--dataset", "cifar10", "--tta"]).tta
+        cli.parse_command(["--dataset", "mnist", "--tta"])
+    assert cli.parse_command(["--dataset", "cifar10", "--tta"]).tta

@@ -234,8 +234,8 @@ for what, target, argv in checks:
     try:
         if what == "trainer":  # the trainer's own checks too (flags that contradict each other), as it runs them
             argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = plain, known
-            from paddle_mnist.config import parse_args as trainer_parse_args
-            trainer_parse_args(argv)
+            from paddle_mnist.cli import parse_command
+            parse_command(argv)
             continue
         argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = parse_args, parse_known_args
         sys.argv, handed_on[:] = [target, *argv], []

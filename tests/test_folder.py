@@ -36,6 +36,7 @@ from helpers import (
 )
 from PIL import Image
 
+from paddle_mnist.cli import parse_command
 from paddle_mnist.config import ConfigError, parse_args
 from paddle_mnist.datasets import augment, data, folder, preprocess
 from paddle_mnist.datasets.formats import DataError
@@ -71,7 +72,7 @@ def make_folder(root: Path, fashion: data.Split, train: int = 8, val: int = 0, t
 
 
 def request(**kw) -> folder.Request:
-    return folder.Request(**{"image_size": "", "channels": 0, "val_split": 0.25, "skip_bad_images": False, **kw})
+    return folder.Request(**{"size": None, "channels": 0, "val_split": 0.25, "skip_bad_images": False, **kw})
 
 
 def build(root: Path, req: folder.Request | None = None) -> tuple[data.Dataset, dict]:
@@ -359,7 +360,7 @@ def test_other_settings_rebuild_and_defaults_follow_the_files(tmp_path, fashion)
     Image.new("RGB", (40, 30), (200, 10, 10)).save(root / "train" / "Trouser" / "colour.png")
     ds, manifest = build(root)
     assert manifest["size"] == [28, 28] and ds.image_shape == (3, 28, 28)  # the most common size; one is colour
-    ds, manifest = build(root, request(image_size="20x12", channels=1))
+    ds, manifest = build(root, request(size=(20, 12), channels=1))
     assert ds.image_shape == (1, 12, 20) and manifest["size"] == [20, 12]
     assert not list(root.resolve().glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
 
@@ -375,14 +376,14 @@ def test_a_cache_serves_every_request_for_the_same_pixels_and_other_settings_are
         return cache, (cache / folder.MANIFEST).stat().st_mtime_ns
 
     default, stamp = built(request())
-    for same in (request(image_size="28"), request(image_size="28x28", channels=1), request(skip_bad_images=True)):
+    for same in (request(size=(28, 28)), request(channels=1), request(skip_bad_images=True)):
         assert built(same) == (default, stamp)  # the same pixels: found, not decoded again
     with caplog.at_level(logging.INFO, logger=LOG.name):
-        bigger, _ = built(request(image_size="32"))
+        bigger, _ = built(request(size=(32, 32)))
     assert bigger != default and bigger.name == "32x32-grey-val0.25"
     assert f"kept 1 cache(s) of other settings beside it ({default.name}" in caplog.text
     assert built(request()) == (default, stamp)  # the first setting again: still there, not rebuilt
-    assert built(request(image_size="32"))[0] == bigger
+    assert built(request(size=(32, 32)))[0] == bigger
     assert built(request(val_split=0.5))[0] not in (default, bigger)  # another hold-out: other images, other cache
 
 
@@ -393,7 +394,7 @@ def test_caches_of_files_that_changed_are_removed_and_an_old_format_cache_too(tm
     (caches / folder.MANIFEST).write_text("{}")  # FORMAT 1 kept its files in the cache folder itself
     (caches / "train.npy").write_bytes(b"old")
     first = folder.ensure_cache(folder.list_folder(root), request(), caches, LOG)
-    other = folder.ensure_cache(folder.list_folder(root), request(image_size="20"), caches, LOG)
+    other = folder.ensure_cache(folder.list_folder(root), request(size=(20, 20)), caches, LOG)
     assert not (caches / "train.npy").exists() and sorted(caches.iterdir()) == sorted([first, other])
     _add(root)
     with caplog.at_level(logging.INFO, logger=LOG.name):
@@ -528,6 +529,9 @@ def test_skip_bad_images_trains_without_them_and_lists_them(tmp_path, fashion):
 def test_folder_flags(tmp_path):
     base = ["--dataset", "folder", "--data-dir", str(tmp_path)]
     assert parse_args([*base, "--image-size", "64x48"]).image_size == "64x48"
+    assert folder.Request.of(parse_args([*base, "--image-size", "64x48"])).size == (64, 48)  # (width, height)
+    square = folder.Request.of(parse_args([*base, "--image-size", "28"]))
+    assert square == folder.Request.of(parse_args([*base, "--image-size", "28x28"])) and square.size == (28, 28)
     for argv, message in [
         ([*base, "--image-size", "64x"], "--image-size takes W or WxH"),
         (["--image-size", "64"], "--image-size applies to --dataset folder only"),
@@ -537,8 +541,8 @@ def test_folder_flags(tmp_path):
         ([*base, "--tta"], "add --flip if a mirror keeps the class"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            parse_args(argv)
-    assert parse_args([*base, "--tta", "--flip"]).tta
+            parse_command(argv)
+    assert parse_command([*base, "--tta", "--flip"]).tta
     grey = (1, 20, 20)
     assert not augment.policy_for("folder", grey).flip and augment.policy_for("folder", grey, flip=True).flip
 
@@ -810,7 +814,7 @@ def test_the_readme_folder_command_trains_cifar10_from_a_cold_cache(tmp_path):
     logs = [worker_log(tmp_path / "log", r) for r in (0, 1)]
     assert "decoding 60000 images" in logs[0] and re.search(r"decoded 60000 images in [\d.]+ s \(\d+ images/s", logs[0])
     assert "waiting for the folder's cache: rank 0 at" in logs[1] and "decoding" not in logs[1]
-    cache = folder.find(folder.list_folder(root), folder.Request("", 0, 0.1, False), folder.default_cache_dir(root))
+    cache = folder.find(folder.list_folder(root), folder.Request(None, 0, 0.1, False), folder.default_cache_dir(root))
     assert cache is not None and cache.name == "32x32-rgb-val0.1"
     manifest = folder.read_manifest(cache)
     assert manifest["counts"] == {"train": 45000, "val": 5000, "test": 10000} and manifest["channels"] == 3

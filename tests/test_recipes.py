@@ -144,8 +144,8 @@ def test_accumulation_must_split_the_batch_evenly():
     with pytest.raises(
         config.ConfigError, match=r"100 does not divide by the 2 workers x 4 .* of 8, e.g. --batch-size 96"
     ):
-        config.resolve_for_world(cfg, 2)
-    assert config.resolve_for_world(config.parse_args(["--accum-steps", "4"]), 2).batch_size == 128
+        config.global_batch(cfg, 2)
+    assert config.global_batch(config.parse_args(["--accum-steps", "4"]), 2) == 128
 
 
 def test_sync_bn_conversion_keeps_the_parameters():
@@ -275,27 +275,27 @@ def test_amp_bf16_on_cpu_computes_in_float32():
     assert all(p.dtype == paddle.float32 for p in net.parameters())
 
 
-def _stretched(argv: list[str], steps_per_epoch: int, workers: int = 2) -> config.Config:
-    cfg = config.resolve_for_world(config.parse_args(argv), workers)
-    return config.stretch_for_steps(cfg, steps_per_epoch)
+def _stretched(argv: list[str], train_images: int, workers: int = 2) -> config.Config:
+    return config.resolve(config.parse_args(argv), workers, config.DataFacts(("a", "b"), train_images))
 
 
 def test_a_small_training_split_stretches_the_recipe_to_the_minimum_steps():
-    cfg = _stretched([], 10)  # 1,350 images at a global batch of 128
+    cfg = _stretched([], 1350)  # 10 steps an epoch at a global batch of 128
     assert (cfg.epochs, cfg.warmup_epochs) == (math.ceil(config.MIN_STEPS / 10), 0.0)
     assert cfg.epochs * 10 >= config.MIN_STEPS > (cfg.epochs - 1) * 10
-    warm = _stretched(["--model", "mnist_cnn"], 10)  # the warmup keeps its share of the run
+    warm = _stretched(["--model", "mnist_cnn"], 1350)  # the warmup keeps its share of the run
     recipe = config.RECIPES["mnist_cnn"]
     assert warm.warmup_epochs / warm.epochs == pytest.approx(recipe.warmup_epochs / recipe.epochs)
-    assert config.stretch_for_steps(warm, 10) == warm  # a resumed run plans the same schedule
+    assert config.resolve(warm, 2, config.DataFacts(("a", "b"), 1350)) == warm  # resolved once: left as it is
+    assert _stretched(["--train-limit", "640"], 60000).epochs == 100  # 5 steps an epoch: --train-limit counts
 
 
 def test_what_the_command_line_gives_is_not_stretched():
-    big = config.resolve_for_world(config.parse_args([]), 2)
-    assert config.stretch_for_steps(big, 469) is big  # Fashion-MNIST: the recipe's 8 epochs are 3,752 steps
-    assert _stretched(["--epochs", "3"], 10).epochs == 3
-    assert _stretched(["--min-steps", "0"], 10).epochs == config.RECIPES["mnist_cnn_bn_fc"].epochs
-    given = _stretched(["--model", "mnist_cnn", "--warmup-epochs", "1"], 10)
+    big = _stretched([], 60000)  # Fashion-MNIST: the recipe's 8 epochs are 3,744 steps
+    assert (big.epochs, big.warmup_epochs) == (8, config.RECIPES["mnist_cnn_bn_fc"].warmup_epochs)
+    assert _stretched(["--epochs", "3"], 1350).epochs == 3
+    assert _stretched(["--min-steps", "0"], 1350).epochs == config.RECIPES["mnist_cnn_bn_fc"].epochs
+    given = _stretched(["--model", "mnist_cnn", "--warmup-epochs", "1"], 1350)
     assert given.epochs > config.RECIPES["mnist_cnn"].epochs and given.warmup_epochs == 1
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-FOLDER = "folder"  # config.FOLDER, spelt out here because config imports this module
+from paddle_mnist.config import FOLDER
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,24 @@ def policy_for(dataset: str, shape: tuple[int, int, int], shift: int | None = No
     else:
         base = POLICIES[dataset]
     return base if shift is None else dataclasses.replace(base, pad=shift)
+
+
+def tta_problem(dataset: str, flip: bool) -> str | None:
+    """Why --tta, which mirrors the evaluation images, does not suit the classes; None when it does. flip: --flip,
+    which says a folder's classes are mirror-symmetric (a built-in dataset's policy says whether its are)."""
+    if dataset != FOLDER:
+        if POLICIES[dataset].flip:
+            return None
+        return (
+            f"--tta mirrors the evaluation images, but {dataset}'s classes are not mirror-symmetric "
+            "(a mirrored digit is another shape): drop --tta"
+        )
+    if flip:
+        return None
+    return (
+        "--tta mirrors the evaluation images, which goes with training on mirrored ones: add --flip if a mirror "
+        "keeps the class, or drop --tta"
+    )
 
 
 def describe(

@@ -71,14 +71,15 @@ class Request:
     """What the command line asks of the cache. A cache serves every request that decodes to the same pixels: an
     explicit --image-size or --channels equal to what the folder's defaults resolve to reuses it."""
 
-    image_size: str  # "W", "WxH" or "" (the most common size in train/)
+    size: tuple[int, int] | None  # (width, height) of --image-size; None: the most common size in train/
     channels: int  # 1, 3 or 0 (grey when every image is)
     val_split: float
     skip_bad_images: bool
 
     @classmethod
     def of(cls, cfg) -> Request:
-        return cls(cfg.image_size, cfg.channels, cfg.val_split, cfg.skip_bad_images)
+        """The request of a run's flags, --image-size read once here."""
+        return cls(image_size(cfg.image_size), cfg.channels, cfg.val_split, cfg.skip_bad_images)
 
 
 def image_extensions() -> frozenset[str]:
@@ -303,7 +304,7 @@ def serves(manifest: dict, listing: Listing, request: Request) -> bool:
         return False
     if manifest.get("skip_bad_images") != request.skip_bad_images and manifest.get("skipped"):
         return False
-    size = image_size(request.image_size) or default_size(tuple(manifest["default_size"]))
+    size = request.size or default_size(tuple(manifest["default_size"]))
     channels = request.channels or manifest["default_channels"]
     return tuple(manifest["size"]) == tuple(size) and manifest["channels"] == channels
 
@@ -439,13 +440,13 @@ def default_size(common: tuple[int, int]) -> tuple[int, int]:
 
 def _choose(defaults: tuple, request: Request) -> tuple[tuple[int, int], int]:
     """((width, height), channels): as requested, the folder's defaults where the request leaves them open."""
-    return image_size(request.image_size) or default_size(defaults[0]), request.channels or defaults[1]
+    return request.size or default_size(defaults[0]), request.channels or defaults[1]
 
 
 def _log_choice(defaults: tuple, headers: dict, train: list[Entry], request: Request, log: logging.Logger) -> None:
     """Say why the folder's defaults are what they are, where the request left them to the folder."""
     (w, h), channels = defaults
-    if not request.image_size:
+    if not request.size:
         counts = _sizes(headers, train)
         common = f"the most common size in train/ ({counts[(w, h)]} of {sum(counts.values())})"
         width, height = default_size((w, h))

@@ -62,7 +62,7 @@ def load_source(cfg: Config, data_dir: str | None, out: Path) -> Source:
     listing = folder.list_folder(where)
     check_classes(listing.classes, cfg, str(listing.root), out)
     channels, height, width = image_shape(cfg)
-    request = folder.Request(f"{width}x{height}", channels, cfg.val_split, cfg.skip_bad_images)
+    request = folder.Request((width, height), channels, cfg.val_split, cfg.skip_bad_images)
     cache = folder.ensure_cache(listing, request, folder.default_cache_dir(listing.root), _log())
     ds, _ = folder.load(listing, request, cache)
     note = "" if "test" in listing.splits else "no test/ folder: the images held out of train/, as the run scored"

@@ -7,7 +7,6 @@ needs its own check on every rank, beside the job itself.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -22,9 +21,11 @@ from paddle_mnist.config import (
     RECIPES,
     Config,
     ConfigError,
+    DataFacts,
     effective_lr,
+    global_batch,
+    resolve,
     starts_from_weights,
-    stretch_for_steps,
     tta_each_epoch,
 )
 from paddle_mnist.datasets import augment, data, folder
@@ -197,8 +198,9 @@ def _check_start(cfg: Config, env: DistEnv) -> int:
     return threads
 
 
-def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals) -> tuple[Config, data.Dataset]:
-    """The dataset, and the config with its class names (and for a folder the image size and channels it uses).
+def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals) -> tuple[data.Dataset, DataFacts]:
+    """The dataset, and its facts the configuration is resolved with (the class names, the training images, and for
+    a folder the image size and channels it uses).
 
     A folder is listed and checked by every rank; its cache is built by the first worker of each machine while the
     others wait in the job's key-value store (waiting.Meeting), however long the decoding takes, and every rank
@@ -206,7 +208,7 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals
     """
     if cfg.dataset != FOLDER:
         ds = data.load_dataset(cfg.dataset, cfg.data_dir)
-        return dataclasses.replace(cfg, classes=ds.classes), ds
+        return ds, DataFacts(ds.classes, len(ds.train))
     listing = folder.list_folder(cfg.data_dir)
     request, caches = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
     problem = None
@@ -237,8 +239,7 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals
         log.warning(f"warning: left out {len(manifest['skipped'])} unreadable images: {'; '.join(manifest['skipped'])}")
     numbered = folder.numbered(ds.classes)  # labels follow the sorted folder names: say which is which
     log.info(f"classes ({len(ds.classes)}, labels by sorted folder name): {numbered}; images from the cache {cache}")
-    resolved = {"image_size": f"{width}x{height}", "channels": manifest["channels"], "classes": ds.classes}
-    return dataclasses.replace(cfg, **resolved), ds
+    return ds, DataFacts(ds.classes, len(ds.train), f"{width}x{height}", manifest["channels"])
 
 
 def _check_memory(cfg: Config, env: DistEnv, ds: data.Dataset) -> None:
@@ -289,36 +290,40 @@ def _start(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals, re
 
 
 def train_and_evaluate(
-    cfg: Config,
+    flags: Config,
     env: DistEnv,
     log: logging.Logger,
+    lock: RunLock,
     stop: StopSignals | None = None,
-    lock: RunLock | None = None,
     convolutions: onednn.Prepared | None = None,
 ) -> dict:
     """The job on this worker: data, model, resume, train epoch by epoch, then the final weights, the test score,
-    results.json and the export; its results. stop: the installed signal handlers (none: a signal is never
-    recorded); convolutions: oneDNN's operator as prepared before the process group (none: prepared here)."""
+    results.json and the export; its results. flags: the command line's configuration, which the run resolves once,
+    with the world size and the data's facts (config.resolve), before anything is trained or written. lock: the
+    run's lock on --output-dir, the caller's to release (rank 0 takes it here, once the output directory is judged);
+    stop: the installed signal handlers (none: a signal is never recorded); convolutions: oneDNN's operator as
+    prepared before the process group (none: prepared here)."""
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
-    lock = lock or RunLock(cfg.output_dir)
-    threads = _check_start(cfg, env)
+    batch = global_batch(flags, env.world_size)  # a batch the workers cannot split is refused before the data is read
+    threads = _check_start(flags, env)
     log.info(  # before the data: a folder's first cache build can take minutes
         f"rank {env.rank} of world size {env.world_size} (local rank {env.local_rank} of {env.local_size}), "
         f"backend {env.backend}, device {env.device}"
     )
     try:
-        log.info(onednn.activate(convolutions or onednn.prepare(cfg.conv_backend), env.device))
+        log.info(onednn.activate(convolutions or onednn.prepare(flags.conv_backend), env.device))
     except onednn.Unavailable as e:
         raise ConfigError(f"--conv-backend onednn: {e}; or pass --conv-backend auto") from None
     # before the first collective whose shape follows the flags: ranks that differ stop here, naming the difference
-    agreement.agree(agreement.job_facts(cfg, "oneDNN" if onednn.active() else "Paddle's"), env)
-    cfg, ds = _load_data(cfg, env, log, stop)
+    job = agreement.job_facts(flags, "oneDNN" if onednn.active() else "Paddle's")
+    agreement.agree({**job, "--batch-size": batch}, env)  # the global batch: a default and its value given agree
+    ds, facts = _load_data(flags, env, log, stop)
+    cfg = resolve(flags, env.world_size, facts)
     if env.world_size > 1:
         agreement.agree(agreement.data_facts(cfg, ds.train.images, ds.train.labels), env)
     train, val_split, test = _splits(cfg, ds, env.world_size * cfg.accum_steps)
     _check_memory(cfg, env, ds)
     batches = data.TrainBatches(train, ds, cfg.batch_size // env.world_size, env.rank, env.world_size, cfg)
-    cfg = stretch_for_steps(cfg, len(batches))
     _log_start(cfg, env, log, ds, (train, val_split, test), threads, len(batches))
     _agree_output_dir(cfg, env, lock, log)
 
