@@ -11,7 +11,7 @@ import paddle
 import pytest
 from helpers import explain, launch_env, make_dataset, read_metrics, read_results, run_single
 
-from paddle_mnist import config
+from paddle_mnist import cli, config
 from paddle_mnist.datasets import data
 from paddle_mnist.files import checkpoint
 from paddle_mnist.network.models import MnistCNN, build_model
@@ -100,7 +100,7 @@ def test_ema_run_evaluates_saves_and_checkpoints_the_average(fashion_dir, tmp_pa
 
 def test_tta_is_refused_for_digits():
     with pytest.raises(config.ConfigError, match="not mirror-symmetric"):
-        config.parse_args(["--dataset", "mnist", "--tta"])
+        cli.parse_command(["--dataset", "mnist", "--tta"])
 
 
 def test_tta_scores_the_mean_of_each_image_and_its_mirror(fashion_dir):

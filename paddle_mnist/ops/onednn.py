@@ -194,7 +194,10 @@ def build(root: Path | None = None) -> tuple[Path, float | None]:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if intact(folder):  # another worker built it while this one waited
             return folder / f"{NAME}.so", None
-        _say(f"building them for this machine into {folder}, once (23 to 46 s on an idle 2-core machine, longer on a busy one; later runs load them)")
+        _say(
+            f"building them for this machine into {folder}, once (23 to 46 s on an idle 2-core machine, longer on "
+            "a busy one; later runs load them)"
+        )
         started = time.perf_counter()
         scratch = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
