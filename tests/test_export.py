@@ -11,11 +11,11 @@ from paddle_mnist.datasets import data
 from paddle_mnist.deploy import export
 from paddle_mnist.deploy.predictor import Predictor, normalise
 from paddle_mnist.files import checkpoint
-from paddle_mnist.files.outputs import RunFiles
 from paddle_mnist.network.models import build_model
 from paddle_mnist.runtime import distributed
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import trainer
+from paddle_mnist.training.outputs import RunFiles
 
 
 def sync_bn_network() -> paddle.nn.Layer:

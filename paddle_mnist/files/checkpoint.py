@@ -12,9 +12,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from paddle_mnist.config import CONFIG_FILE, image_shape, load_config
 from paddle_mnist.files import atomic, safeload
-from paddle_mnist.network.models import build_model
 
 CKPT_DIR = "checkpoints"
 CKPT_NAME = re.compile(r"^step_(\d+)\.pdckpt$")
@@ -181,31 +179,6 @@ def set_weights(net: paddle.nn.Layer, state: dict, source: str | os.PathLike, fi
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise CheckpointError(f"{source}: the weights do not fit this {type(net).__name__}: {found[0]}{more}; {fix}")
     net.set_state_dict(state)
-
-
-def load_model(output_dir: str | os.PathLike, which: str = "last") -> paddle.nn.Layer:
-    """The run's network in eval mode with its weights: model.pdparams (which="last") or model_best.pdparams
-    ("best"), built as the run built it from its config.json (model, classes, channels and image size).
-
-    Raises CheckpointError, one line, when a file is missing or damaged or the weights do not fit the network.
-    """
-    if which not in WHICH:
-        raise ValueError(f"which must be one of {', '.join(WHICH)}, not {which!r}")
-    out = Path(output_dir)
-    if not (out / CONFIG_FILE).is_file():
-        raise CheckpointError(
-            f"{out}: no {CONFIG_FILE} here; pass a run's output directory (the trainer's --output-dir)"
-        )
-    cfg = load_config(out / CONFIG_FILE)
-    net = build_model(cfg.model, len(cfg.classes), image_shape(cfg))
-    path = out / WHICH[which]
-    fix = (
-        f"they are not the weights of the run its {CONFIG_FILE} describes (--model {cfg.model}, "
-        f"{len(cfg.classes)} classes, images {image_shape(cfg)}): keep each run's {CONFIG_FILE} and weights together"
-    )
-    set_weights(net, load(path), path, fix)
-    net.eval()
-    return net
 
 
 class CheckpointStore:

@@ -12,12 +12,12 @@ import numpy as np
 from paddle_mnist.config import Config, profile_window, tta_each_epoch
 from paddle_mnist.files import checkpoint, events
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.files.outputs import BEST_WEIGHTS, RunFiles, WriteFailed
 from paddle_mnist.runtime import distributed, preempt
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.preempt import Preempted, StopSignals
 from paddle_mnist.runtime.watchdog import Watchdog
 from paddle_mnist.training import chance, engine, timing
+from paddle_mnist.training.outputs import BEST_WEIGHTS, RunFiles, WriteFailed
 from paddle_mnist.training.profiling import ProfileWindow
 from paddle_mnist.training.state import TrainState
 

@@ -33,7 +33,6 @@ from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import checkpoint, report
 from paddle_mnist.files.checkpoint import CheckpointStore
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.files.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
 from paddle_mnist.network import summary, whiten
 from paddle_mnist.network.models import build_model, count_parameters
 from paddle_mnist.ops import onednn
@@ -42,6 +41,7 @@ from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, signal_name
 from paddle_mnist.training import agreement, chance, engine, finetune, scores
+from paddle_mnist.training.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
 from paddle_mnist.training.session import Session, check_best
 from paddle_mnist.training.state import TrainState
 
