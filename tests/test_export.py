@@ -54,7 +54,7 @@ def test_the_runs_export_after_sync_bn_has_no_sync_batch_norm_and_classifies_on_
     synced = sync_bn_network()
     cfg = Config(model="mnist_cnn_bn_fc", sync_bn=True, output_dir=str(tmp_path / "out"))
     one = DistEnv(0, 1, 0, 1, "none", "cpu")
-    files = RunFiles(cfg, one, checkpoint.CheckpointStore(cfg.output_dir, cfg.keep_checkpoints))
+    files = RunFiles(cfg, one)
     pixels = np.random.RandomState(0).randint(0, 256, (4, 1, 28, 28)).astype(np.uint8)
     split = data.Split(pixels[:2], np.zeros(2, np.int64))
     ds = data.Dataset("mnist", split, split, split, mean=(0.5,), std=(0.25,), classes=data.DIGITS)

@@ -74,12 +74,6 @@ def step_of(path: Path) -> int:
     return int(CKPT_NAME.match(Path(path).name).group(1))
 
 
-def prune(output_dir: Path, keep: int) -> None:
-    for old in list_checkpoints(output_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-        digest_path(old).unlink(missing_ok=True)
-
-
 def set_aside(path: Path) -> Path:
     """Rename a damaged checkpoint (and its digest) out of the way, never deleting it; the new name."""
     path = Path(path)
@@ -179,41 +173,6 @@ def set_weights(net: paddle.nn.Layer, state: dict, source: str | os.PathLike, fi
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise CheckpointError(f"{source}: the weights do not fit this {type(net).__name__}: {found[0]}{more}; {fix}")
     net.set_state_dict(state)
-
-
-class CheckpointStore:
-    """A run's checkpoints: OUTPUT_DIR/checkpoints/step_NNNNNNNN.pdckpt, each written atomically with its digest,
-    the newest `keep` kept, and the newest intact one found for a resume (damaged ones set aside, never deleted)."""
-
-    def __init__(self, output_dir: Path | str, keep: int):
-        self.output_dir, self.keep = Path(output_dir), keep
-
-    def path(self, step: int) -> Path:
-        return checkpoint_path(self.output_dir, step)
-
-    def list(self) -> list[Path]:
-        return list_checkpoints(self.output_dir)
-
-    def save(self, contents: dict) -> Path:
-        """Write the checkpoint of contents["step"], then drop the oldest beyond `keep`. Raises WriteError."""
-        path = self.path(contents["step"])
-        save_atomic(contents, path)
-        prune(self.output_dir, self.keep)
-        return path
-
-    def newest_intact(self, warn) -> tuple[Path | None, list[str]]:
-        """(the newest checkpoint that passes load(), what was set aside on the way); warn(line) for each."""
-        tried = []
-        for path in reversed(self.list()):
-            try:
-                load(path)
-            except CheckpointError as e:
-                aside = set_aside(path)
-                warn(f"warning: {e}; set aside as {aside.name}, trying the next older checkpoint")
-                tried.append(f"{path.name} ({aside.name})")
-                continue
-            return path, tried
-        return None, tried
 
 
 def digest(model: paddle.nn.Layer) -> str:
