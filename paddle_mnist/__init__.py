@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return Predictor
     if name == "load_model":
-        from paddle_mnist.files.checkpoint import load_model
+        from paddle_mnist.deploy.weights import load_model
 
         return load_model
     raise AttributeError(f"module 'paddle_mnist' has no attribute {name!r}")

@@ -14,13 +14,13 @@ from paddle_mnist.config import Config, ConfigError, parse_args
 from paddle_mnist.datasets import augment, data
 from paddle_mnist.files import checkpoint, dashboard, events
 from paddle_mnist.files.log import get_logger
-from paddle_mnist.files.outputs import WriteFailed
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu, distributed, launch, waiting
 from paddle_mnist.runtime.launch import LaunchError
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, exit_code, signal_name
 from paddle_mnist.training import chance, engine
+from paddle_mnist.training.outputs import WriteFailed
 from paddle_mnist.training.trainer import ExportFailed, train_and_evaluate
 
 
@@ -73,7 +73,7 @@ def _run_command(argv: list[str] | None) -> int:
         return _refused(str(e))
     except onednn.Unavailable as e:
         return _refused(f"--conv-backend onednn: {e}; or pass --conv-backend auto")
-    log = get_logger(env)
+    log = get_logger(env.rank, env.world_size)
     stop.log = log
     lock = RunLock(cfg.output_dir)
     stop.on_abort.append(lock.release)

@@ -11,26 +11,10 @@ import os
 import shlex
 import sys
 import time
-import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 
 from paddle_mnist.files import events
-
-# Python warnings Paddle gives every run, which say nothing about it
-PADDLE_NOTES = (
-    "No ccache found",  # about building C++ extensions, which training never does
-    "When training, we now always track global mean and variance",  # each batch norm layer, at its first step
-)
-
-
-def quiet_paddle(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Hide glog's INFO lines (the key-value store's "create libuv server", "Successfully connected to ...") and
-    Paddle's notes. Warnings, errors and fatal messages still print. GLOG_v (verbose logs, written at INFO level)
-    or a GLOG_minloglevel of the user's leaves the level alone."""
-    if "GLOG_minloglevel" not in environ and "GLOG_v" not in environ:
-        environ["GLOG_minloglevel"] = "1"
-    for note in PADDLE_NOTES:
-        warnings.filterwarnings("ignore", message=note)
+from paddle_mnist.files.log import quiet_paddle
 
 
 def announce(environ: Mapping[str, str], argv: list[str]) -> str | None:

@@ -11,11 +11,11 @@ from paddle_mnist.datasets import data
 from paddle_mnist.deploy import export
 from paddle_mnist.deploy.predictor import Predictor, normalise
 from paddle_mnist.files import checkpoint
-from paddle_mnist.files.outputs import RunFiles
 from paddle_mnist.network.models import build_model
 from paddle_mnist.runtime import distributed
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import trainer
+from paddle_mnist.training.outputs import RunFiles
 
 
 def sync_bn_network() -> paddle.nn.Layer:
@@ -54,7 +54,7 @@ def test_the_runs_export_after_sync_bn_has_no_sync_batch_norm_and_classifies_on_
     synced = sync_bn_network()
     cfg = Config(model="mnist_cnn_bn_fc", sync_bn=True, output_dir=str(tmp_path / "out"))
     one = DistEnv(0, 1, 0, 1, "none", "cpu")
-    files = RunFiles(cfg, one, checkpoint.CheckpointStore(cfg.output_dir, cfg.keep_checkpoints))
+    files = RunFiles(cfg, one)
     pixels = np.random.RandomState(0).randint(0, 256, (4, 1, 28, 28)).astype(np.uint8)
     split = data.Split(pixels[:2], np.zeros(2, np.int64))
     ds = data.Dataset("mnist", split, split, split, mean=(0.5,), std=(0.25,), classes=data.DIGITS)

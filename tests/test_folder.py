@@ -40,7 +40,7 @@ from paddle_mnist.cli import parse_command
 from paddle_mnist.config import ConfigError, parse_args
 from paddle_mnist.datasets import augment, data, folder, preprocess
 from paddle_mnist.datasets.formats import DataError
-from paddle_mnist.training.state import check_resumable
+from paddle_mnist.training.checkpoints import check_resumable
 
 # Fashion-MNIST labels -> class folder names, with spaces and letters outside ASCII
 CLASSES = {0: "T-shirt top", 1: "Trouser", 5: "Sandalé", 9: "Ankle boot ü"}

@@ -1,4 +1,5 @@
-"""The package's shape: no import circles (an import inside a function counts), and every module in the layout."""
+"""The package's shape: no import circles and no import up a floor (an import inside a function counts), and every
+module in the layout."""
 
 from __future__ import annotations
 
@@ -77,6 +78,54 @@ def test_no_module_of_the_package_imports_itself_round_a_circle():
     cli = graph["paddle_mnist.cli"]
     assert cli >= {"paddle_mnist.training.trainer", "paddle_mnist.config"}, cli  # the reader sees the imports
     assert cycles(graph) == []
+
+
+# The floors, bottom to top: a module imports only from its own room or the rooms below it. "config" is the module
+# paddle_mnist/config.py; "top" the package itself, cli, start and the `python -m paddle_mnist.X` forwarders.
+FLOORS = ("config", "files", "runtime", "datasets", "ops", "network", "deploy", "training", "top")
+
+
+def room_of(module: str) -> str:
+    """paddle_mnist.training.trainer -> "training"; paddle_mnist.config -> "config"; the top modules -> "top"."""
+    parts = module.split(".")[1:]
+    if not parts or (len(parts) == 1 and parts[0] != "config"):
+        return "top"
+    return parts[0]
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a room above its own, and every module in a room on no floor, as lines."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        for name in sorted({module, *imported}):
+            if room_of(name) not in FLOORS:
+                found.append(f"{name}: its room {room_of(name)!r} is on no floor (tests/test_layout.py's FLOORS)")
+        for name in sorted(imported):
+            here, there = room_of(module), room_of(name)
+            if here in FLOORS and there in FLOORS and FLOORS.index(there) > FLOORS.index(here):
+                found.append(f"{module} -> {name}: {here} imports {there}, a floor above it")
+    return sorted(set(found))
+
+
+def test_the_floor_check_finds_an_import_up_and_a_room_on_no_floor():
+    graph = {
+        "paddle_mnist.files.atomic": {"paddle_mnist.config", "paddle_mnist.network.models"},
+        "paddle_mnist.training.trainer": {"paddle_mnist.files.atomic", "paddle_mnist.cli"},
+        "paddle_mnist.cli": {"paddle_mnist.training.trainer", "paddle_mnist.attic.old"},
+    }
+    assert upward_arrows(graph) == [
+        "paddle_mnist.attic.old: its room 'attic' is on no floor (tests/test_layout.py's FLOORS)",
+        "paddle_mnist.files.atomic -> paddle_mnist.network.models: files imports network, a floor above it",
+        "paddle_mnist.training.trainer -> paddle_mnist.cli: training imports top, a floor above it",
+    ]
+    assert upward_arrows({"paddle_mnist.cli": {"paddle_mnist.config"}, "paddle_mnist.config": set()}) == []
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    graph = {name: imports_of(path) for name, path in MODULES.items()}
+    up = upward_arrows(graph)
+    assert up == [], "imports up a floor, or rooms on no floor:\n" + "\n".join(up)
+    assert graph["paddle_mnist.config"] == set(), graph["paddle_mnist.config"]  # the leaf: it imports nothing
 
 
 def rooms() -> dict[str, set[str]]:

@@ -32,7 +32,6 @@ from helpers import (
 from paddle_mnist.config import Config
 from paddle_mnist.files.log import get_logger
 from paddle_mnist.files.logs import LogsError, main, read_rank, summarise
-from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import engine, session, timing
 
 ARGS = small_run(train_limit=None, eval_limit=None, batch_size=64)
@@ -413,7 +412,7 @@ def test_the_epoch_line_is_read_whether_the_epoch_ended_or_max_steps_cut_it(tmp_
     stats = engine.EpochStats(**fields, steps=30, phase_shares=shares, samples=1)
     row = {"epoch": 1, "world_size": 1, "train_loss": 0.5, "train_acc": 0.8, "val_loss": 0.4, "val_acc": 0.9}
     row |= {"val_count": 201, "epoch_time_s": 1.0, "images_per_sec": 480, "input_wait_share": 0.01, "rss_mb": 300}
-    session.log_epoch(get_logger(DistEnv(0, 1, 0, 1, "none", "cpu")), Config(epochs=8, max_steps=30), row, stats, cut)
+    session.log_epoch(get_logger(0, 1), Config(epochs=8, max_steps=30), row, stats, cut)
     (tmp_path / "workerlog.0").write_text(capsys.readouterr().out)
     assert read_rank(tmp_path / "workerlog.0").where == where
 

@@ -1,2 +1,2 @@
-"""What a run writes and reads back: the output directory, atomic files, checkpoints and their restricted loader, the
-dashboard, plots, log lines and the job's log summary."""
+"""Files on disk, known by their formats alone: written whole (atomic), checkpoints and weights with their digests
+and restricted loader, the dashboard, plots, the report, log lines and events, and the job's log summary."""

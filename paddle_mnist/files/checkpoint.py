@@ -12,9 +12,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from paddle_mnist.config import CONFIG_FILE, image_shape, load_config
 from paddle_mnist.files import atomic, safeload
-from paddle_mnist.network.models import build_model
 
 CKPT_DIR = "checkpoints"
 CKPT_NAME = re.compile(r"^step_(\d+)\.pdckpt$")
@@ -74,12 +72,6 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 
 def step_of(path: Path) -> int:
     return int(CKPT_NAME.match(Path(path).name).group(1))
-
-
-def prune(output_dir: Path, keep: int) -> None:
-    for old in list_checkpoints(output_dir)[:-keep]:
-        old.unlink(missing_ok=True)
-        digest_path(old).unlink(missing_ok=True)
 
 
 def set_aside(path: Path) -> Path:
@@ -181,66 +173,6 @@ def set_weights(net: paddle.nn.Layer, state: dict, source: str | os.PathLike, fi
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise CheckpointError(f"{source}: the weights do not fit this {type(net).__name__}: {found[0]}{more}; {fix}")
     net.set_state_dict(state)
-
-
-def load_model(output_dir: str | os.PathLike, which: str = "last") -> paddle.nn.Layer:
-    """The run's network in eval mode with its weights: model.pdparams (which="last") or model_best.pdparams
-    ("best"), built as the run built it from its config.json (model, classes, channels and image size).
-
-    Raises CheckpointError, one line, when a file is missing or damaged or the weights do not fit the network.
-    """
-    if which not in WHICH:
-        raise ValueError(f"which must be one of {', '.join(WHICH)}, not {which!r}")
-    out = Path(output_dir)
-    if not (out / CONFIG_FILE).is_file():
-        raise CheckpointError(
-            f"{out}: no {CONFIG_FILE} here; pass a run's output directory (the trainer's --output-dir)"
-        )
-    cfg = load_config(out / CONFIG_FILE)
-    net = build_model(cfg.model, len(cfg.classes), image_shape(cfg))
-    path = out / WHICH[which]
-    fix = (
-        f"they are not the weights of the run its {CONFIG_FILE} describes (--model {cfg.model}, "
-        f"{len(cfg.classes)} classes, images {image_shape(cfg)}): keep each run's {CONFIG_FILE} and weights together"
-    )
-    set_weights(net, load(path), path, fix)
-    net.eval()
-    return net
-
-
-class CheckpointStore:
-    """A run's checkpoints: OUTPUT_DIR/checkpoints/step_NNNNNNNN.pdckpt, each written atomically with its digest,
-    the newest `keep` kept, and the newest intact one found for a resume (damaged ones set aside, never deleted)."""
-
-    def __init__(self, output_dir: Path | str, keep: int):
-        self.output_dir, self.keep = Path(output_dir), keep
-
-    def path(self, step: int) -> Path:
-        return checkpoint_path(self.output_dir, step)
-
-    def list(self) -> list[Path]:
-        return list_checkpoints(self.output_dir)
-
-    def save(self, contents: dict) -> Path:
-        """Write the checkpoint of contents["step"], then drop the oldest beyond `keep`. Raises WriteError."""
-        path = self.path(contents["step"])
-        save_atomic(contents, path)
-        prune(self.output_dir, self.keep)
-        return path
-
-    def newest_intact(self, warn) -> tuple[Path | None, list[str]]:
-        """(the newest checkpoint that passes load(), what was set aside on the way); warn(line) for each."""
-        tried = []
-        for path in reversed(self.list()):
-            try:
-                load(path)
-            except CheckpointError as e:
-                aside = set_aside(path)
-                warn(f"warning: {e}; set aside as {aside.name}, trying the next older checkpoint")
-                tried.append(f"{path.name} ({aside.name})")
-                continue
-            return path, tried
-        return None, tried
 
 
 def digest(model: paddle.nn.Layer) -> str:

@@ -471,7 +471,7 @@ def cause(first: RankReport, reports: list[RankReport], launcher: list[str]) -> 
 
 def _ports(first: RankReport) -> list[str]:
     """The key-value store's address that the launcher gave the worker's last run, from its envlog.N: Paddle 3
-    names the port only in an INFO line, which the trainer hides (start.quiet_paddle)."""
+    names the port only in an INFO line, which the trainer hides (log.quiet_paddle)."""
     envlog = first.log.with_name(first.log.name.replace("workerlog", "envlog"))
     found = MASTER.findall(envlog.read_text(errors="replace")) if envlog.is_file() else []
     named = first.source.replace("workerlog", "envlog")

@@ -90,7 +90,7 @@ class Epoch:
         state, cfg, env = self.state, self.cfg, self.env
         state.model.train()
         total = self.batches.count
-        bar = ProgressBar(env, total, f"epoch {state.epoch + 1}")
+        bar = ProgressBar(env.is_main, total, f"epoch {state.epoch + 1}")
         correct = paddle.zeros([], dtype="int64")
         norms = NormTally(cfg.clip_grad_norm)
         seen = steps = 0

@@ -21,7 +21,7 @@ from paddle_mnist.config import CONFIG_FILE, FOLDER, Config, ConfigError, image_
 from paddle_mnist.datasets import data, folder
 from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.files import report
-from paddle_mnist.start import quiet_paddle
+from paddle_mnist.files.log import quiet_paddle
 from paddle_mnist.training import scores
 
 SPLITS = ("test", "val", "train")
@@ -129,12 +129,13 @@ def default_out(out: Path, data_dir: str | None, split: str, which: str) -> Path
 
 def evaluate_run(out: Path, data_dir: str | None, split: str, which: str, dest: Path) -> tuple[dict, list[Path]]:
     """Score the run's weights on the split, write the report into dest; (the report, the files written)."""
+    from paddle_mnist.deploy.weights import load_model
     from paddle_mnist.files import checkpoint
     from paddle_mnist.runtime.distributed import DistEnv
     from paddle_mnist.training import engine
 
     one = DistEnv(0, 1, 0, 1, "none", "cpu")  # this command is one process: every image is in its one shard
-    net = checkpoint.load_model(out, which)  # first: says in one line when out is not a run's output directory
+    net = load_model(out, which)  # first: says in one line when out is not a run's output directory
     cfg = load_config(out / CONFIG_FILE)
     source = load_source(cfg, data_dir, out)
     ds = normalised_as_run(source.ds, cfg, out) if data_dir else source.ds

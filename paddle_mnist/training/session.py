@@ -1,5 +1,5 @@
-"""What a run does around its training steps: where all ranks meet (stop signals, failed writes), checkpoints,
-the epoch's row and log lines, the best model, the watchdog, the profiler window, and whether it learned anything."""
+"""What a run does around its training steps: where all ranks meet (stop signals, failed writes), when to ask for a
+checkpoint, the epoch's row and log lines, the watchdog, the profiler window, and whether it learned anything."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
-
 from paddle_mnist.config import Config, profile_window, tta_each_epoch
-from paddle_mnist.files import checkpoint, events
+from paddle_mnist.files import events
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.files.outputs import BEST_WEIGHTS, RunFiles, WriteFailed
 from paddle_mnist.runtime import distributed, preempt
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.preempt import Preempted, StopSignals
 from paddle_mnist.runtime.watchdog import Watchdog
 from paddle_mnist.training import chance, engine, timing
+from paddle_mnist.training.checkpoints import Checkpoints
+from paddle_mnist.training.outputs import RunFiles
 from paddle_mnist.training.profiling import ProfileWindow
 from paddle_mnist.training.state import TrainState
 
@@ -103,33 +102,6 @@ def log_epoch(
         )
 
 
-def check_best(state: TrainState, files: RunFiles, log: logging.Logger) -> None:
-    """On resume (rank 0): keep the best-so-far the checkpoint records if model_best.pdparams still holds it.
-
-    The checkpoint is written before model_best.pdparams, so a stop between the two leaves the checkpoint's best
-    newer than the file; that best is then the checkpoint's own epoch, whose weights were just restored and are
-    written again. Any other mismatch (the file deleted or replaced) restarts the count, with a warning.
-    """
-    best = state.best
-    if not best or not files.enabled:
-        return
-    path = Path(files.out) / BEST_WEIGHTS
-    try:
-        if checkpoint.digest_state(checkpoint.load(path)) == best["digest"]:
-            return
-    except (OSError, checkpoint.CheckpointError):
-        pass
-    net = distributed.unwrap(state.scored)
-    if best["step"] == state.step and checkpoint.digest(net) == best["digest"]:
-        files.save_best(net)
-        return
-    log.warning(
-        f"warning: {path} does not hold the best epoch the checkpoint records (epoch {best['epoch']}, validation "
-        f"accuracy {best['val_acc']:.4f}); the best model is chosen again from the epochs still to come"
-    )
-    state.best = None
-
-
 class Session:
     """One session of a run, from the first meeting of the ranks to the last training step.
 
@@ -146,6 +118,7 @@ class Session:
         log: logging.Logger,
         state: TrainState,
         files: RunFiles,
+        checkpoints: Checkpoints,
         *,
         stop: StopSignals,
         batches_per_epoch: int,
@@ -154,6 +127,7 @@ class Session:
         eval_images: int,
     ):
         self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
+        self.checkpoints = checkpoints
         self.stop, self.batches_per_epoch, self.resumed, self.levels = stop, batches_per_epoch, resumed, levels
         # the schedule's own count (paddle's LinearWarmup keeps it), so this follows however the warmup is planned
         self.warmup_steps = getattr(state.sched, "warmup_steps", 0)
@@ -199,23 +173,17 @@ class Session:
         learns which rank did (the highest) and whether that rank's launcher went away, for its stop line."""
         mine = self.env.rank + 1
         orphan = self.stop.launcher is not None and self.stop.launcher.gone()
-        shared = [self.stop.signum, self.files.failure is not None, self.cadence.seconds_per_step(at_step)]
+        shared = [self.stop.signum, self.checkpoints.failed(), self.cadence.seconds_per_step(at_step)]
         shared += [mine if self.stop.signum else 0, mine if orphan else 0]
         signum, failed, per_step, took, orphaned = distributed.all_reduce_max_values(shared, self.env)
         if failed:
-            raise WriteFailed(self.files.failure_message())
+            raise self.checkpoints.failure()
         self.cadence.plan(at_step, per_step)
         if signum:
             self.stop.explain()
             if not self.stop.signum and took:
                 self.sender = (int(took) - 1, orphaned == took)
         return int(signum)
-
-    def average_statistics(self) -> None:
-        """Every rank takes part, so every rank then holds the statistics rank 0 saves and evaluates with."""
-        distributed.average_running_statistics(self.state.model, self.env)
-        if self.state.ema:
-            distributed.average_running_statistics(self.state.ema.net, self.env)
 
     def after_step(self, loss_sum) -> None:
         state, cfg = self.state, self.cfg
@@ -232,15 +200,15 @@ class Session:
         inside = state.batch_in_epoch < self.batches_per_epoch
         saved = every and state.step % every == 0 and inside
         if saved:
-            self._save_mid_epoch(loss_sum, for_stop=False)
+            self.checkpoints.save_mid_epoch(state, loss_sum, self.started, for_stop=False)
         # the step that ends the epoch or the run is followed by the epoch end, which meets anyway
         meeting = inside and state.step < self.last_step and self.cadence.due(state.step)
         if meeting and (signum := self.meet(state.step)):
             if not saved:
-                self._save_mid_epoch(loss_sum, for_stop=True)
+                self.checkpoints.save_mid_epoch(state, loss_sum, self.started, for_stop=True)
                 self.meet(state.step)  # a failed save stops every rank with the write error
             where = f"epoch {state.epoch + 1}, batch {state.batch_in_epoch} of {self.batches_per_epoch}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
+            raise stopped(signum, state.step, where, self.checkpoints.path(state.step), self.sender)
 
     def estimate(self) -> str:
         """This session's time from its first step to its last epoch's end (training and evaluation; not start-up,
@@ -283,23 +251,6 @@ class Session:
             return ""
         return f" and {count} evaluation{'s' if count > 1 else ''} of {self.eval_images} images"
 
-    def _save_mid_epoch(self, loss_sum, for_stop: bool) -> None:
-        state, env = self.state, self.env
-        if for_stop:
-            # a save an uninterrupted run does not make: keep each rank's batch norm statistics as they are
-            # (averaging them would change the final ones in the last bits), for the resumed run
-            extra = {"untrained_by_rank": distributed.gather_untrained(state.model, env)}
-            if state.ema:
-                extra["ema_untrained_by_rank"] = distributed.gather_untrained(state.ema.net, env)
-        else:
-            # every rank takes part, so a resumed run restarts from the statistics it had, on every rank
-            self.average_statistics()
-            extra = {}
-        rng_by_rank = state.gather_rng(env)
-        # never let diverged weights push a good checkpoint out; the next loss check stops every rank
-        if self.files.enabled and np.isfinite(float(loss_sum)) and engine.weights_finite(state.model):
-            self.files.save_checkpoint({**state.contents(self.elapsed(), rng_by_rank), **extra})
-
     def end_epoch(self, stats: engine.EpochStats, val) -> bool:
         """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached, or the
         training loss stalled at chance (`stalled`)."""
@@ -312,23 +263,12 @@ class Session:
         self.last_loss = stats.loss
         engine.check_weights(state)  # the loss was checked, on every rank, at the end of the epoch
         self.files.append_metrics(row)
-        improved = state.best is None or val.acc > state.best["val_acc"]
-        if improved:
-            net = distributed.unwrap(state.scored)
-            digest = checkpoint.digest(net) if self.files.enabled else ""
-            state.best = {"epoch": row["epoch"], "step": state.step, "val_acc": val.acc, "val_loss": val.loss}
-            state.best["digest"] = digest
         state.end_epoch(self.batches_per_epoch)
-        rng_by_rank = state.gather_rng(self.env)  # every rank's generators; rank 0 alone writes them
-        if self.files.enabled:
-            # the checkpoint first, then the best weights: see check_best for a stop between the two
-            self.files.save_checkpoint(state.contents(self.elapsed(), rng_by_rank))
-            if improved:
-                self.files.save_best(net)
+        self.checkpoints.save_epoch_end(state, val, row["epoch"], self.started)
         self.clock.epoch_end()
         if signum := self.meet(state.step):  # a signal during evaluation or the checkpoint write stops here
             where = f"end of epoch {row['epoch']}"
-            raise stopped(signum, state.step, where, self.files.store.path(state.step), self.sender)
+            raise stopped(signum, state.step, where, self.checkpoints.path(state.step), self.sender)
         if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True

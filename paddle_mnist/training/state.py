@@ -1,20 +1,15 @@
-"""What training carries from step to step, built once, and what a checkpoint holds of it."""
+"""What training carries from step to step, built once (what a checkpoint holds of it: training/checkpoints.py)."""
 
 from __future__ import annotations
-
-import dataclasses
-from pathlib import Path
 
 import numpy as np
 import paddle
 
-from paddle_mnist.config import FOLDER, Config, ConfigError, effective_lr
-from paddle_mnist.files import checkpoint
+from paddle_mnist.config import Config, effective_lr
 from paddle_mnist.network.models import build_model, sums_exactly
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import distributed
 from paddle_mnist.runtime.distributed import DistEnv
-from paddle_mnist.training import rng
 from paddle_mnist.training.ema import WeightAverage
 from paddle_mnist.training.lookahead import Lookahead
 
@@ -44,31 +39,6 @@ def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup
         grad_clip=clip,
     )
     return opt, sched
-
-
-RESUME_FIX = "pass another --output-dir, or --overwrite to start afresh"
-RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels")  # a resume must keep these flags
-# a resume may change these; the learning-rate schedule is then planned anew from the checkpoint's step (replan)
-SCHEDULE_KEYS = ("epochs", "warmup_epochs", "lr", "lr_schedule", "lr_scaling", "reference_batch")
-
-
-def check_resumable(saved: dict, cfg: Config, path: Path) -> None:
-    """Refuse, in one line, to continue from a checkpoint whose saved config differs from this run's in a flag the
-    weights and data depend on (RESUME_KEYS, and a folder's --val-split, which chooses its training images) or in
-    the dataset's classes. Keys an older checkpoint lacks are not compared."""
-    keys = RESUME_KEYS + (("val_split",) if cfg.dataset == FOLDER else ())
-    for key in keys:
-        if key in saved and saved.get(key) != getattr(cfg, key):
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(
-                f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(cfg, key)}; "
-                f"pass {flag} {saved.get(key)} or another --output-dir"
-            )
-    if "classes" in saved and list(saved["classes"]) != list(cfg.classes):
-        raise ConfigError(
-            f"--resume: {path} was trained on the classes {', '.join(saved['classes'])}, and the data now has "
-            f"{', '.join(cfg.classes)}; restore the data's class folders, or pass another --output-dir"
-        )
 
 
 def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
@@ -139,29 +109,6 @@ class TrainState:
         ema = WeightAverage(model, build_model(cfg.model, num_classes, image_shape), cfg.ema) if cfg.ema else None
         return cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned, loaded)
 
-    def replan(self, saved: dict) -> str | None:
-        """After restore: when the checkpoint's config planned its schedule with other SCHEDULE_KEYS (a finished
-        run extended with a larger --epochs), the schedule is this run's plan from the step reached, and the
-        learning rate of the next step is the new plan's (the checkpoint's would otherwise serve one more step).
-        The line that says so and what the rate does; None when the plan is the checkpoint's."""
-        changed = [k for k in SCHEDULE_KEYS if k in saved and saved[k] != getattr(self.cfg, k)]
-        if not changed:
-            return None
-        before = float(self.sched.last_lr)
-        self.sched.step(self.step)  # recomputes the rate at this step from the plan built for this run's flags
-        after, end = float(self.sched.last_lr), self.planned_steps
-        flags = ", ".join(f"--{k.replace('_', '-')} {getattr(self.cfg, k)} (was {saved[k]})" for k in changed)
-        if self.step >= end:
-            then = f"the new plan ended at step {end}: nothing is left to train"
-        elif self.cfg.lr_schedule == "poly":
-            then = f"it decays linearly to 0 at step {end}"
-        else:
-            then = "it stays there"
-        return (
-            f"schedule re-planned from step {self.step} over {self.cfg.epochs} epochs ({end} steps), for {flags}: "
-            f"the learning rate goes from {before:.5g} to {after:.5g} and {then}"
-        )
-
     @property
     def scored(self) -> paddle.nn.Layer:
         """What is evaluated, saved as model.pdparams and exported: the moving average when there is one."""
@@ -175,62 +122,13 @@ class TrainState:
         if self.ema:
             distributed.set_untrained(self.ema.net, self.untrained["ema"], env)
 
+    def average_statistics(self, env: DistEnv) -> None:
+        """Every rank's batch norm statistics averaged (every rank takes part), so every rank then holds the ones rank
+        0 saves and evaluates with."""
+        distributed.average_running_statistics(self.model, env)
+        if self.ema:
+            distributed.average_running_statistics(self.ema.net, env)
+
     def end_epoch(self, batches_per_epoch: int) -> None:
         if self.batch_in_epoch == batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
-    def contents(self, elapsed_s: float, rng_by_rank: list[dict]) -> dict:
-        """The checkpoint: everything to continue bit for bit. elapsed_s is the training time up to here, summed
-        over the sessions of a resumed run; rng_by_rank every rank's rng.current(), from gather_rng. A stop's
-        checkpoint adds every rank's statistics (untrained_by_rank)."""
-        return {
-            "model": distributed.unwrap(self.model).state_dict(),
-            "ema": self.ema.state_dict() if self.ema else None,
-            "lookahead": self.lookahead.state_dict() if self.lookahead else None,
-            "optimizer": self.opt.state_dict(),
-            "lr_scheduler": self.sched.state_dict(),
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "step": self.step,
-            "rng": {"by_rank": rng_by_rank, "numpy": np.random.get_state()},
-            "config": dataclasses.asdict(self.cfg),
-            "scaler": self.scaler.state_dict() if self.scaler else None,  # fp16 loss scale, so a resumed run keeps it
-            "elapsed_s": elapsed_s,
-            "best": self.best,
-            "loaded": list(self.loaded),  # their learning rate follows --init-lr-scale and --freeze-epochs
-        }
-
-    @staticmethod
-    def gather_rng(env: DistEnv) -> list[dict]:
-        """Every rank's own generator states, for contents(); every rank must call it."""
-        return distributed.gather_objects(rng.current(env.device), env)
-
-    def restore(self, contents: dict, path: Path, env: DistEnv) -> str | None:
-        """Continue from a checkpoint's contents; a warning line when its RNG states do not fit this job."""
-        check_resumable(contents.get("config", {}), self.cfg, path)
-        checkpoint.set_weights(self.model, contents["model"], path, RESUME_FIX)
-        self.untrained = {  # set in start(), after DataParallel has broadcast rank 0's
-            "model": contents.get("untrained_by_rank") or [],
-            "ema": contents.get("ema_untrained_by_rank") or [],
-        }
-        self.opt.set_state_dict(contents["optimizer"])
-        self.sched.set_state_dict(contents["lr_scheduler"])
-        if self.scaler and contents.get("scaler"):
-            self.scaler.load_state_dict(contents["scaler"])
-        if self.ema:  # a checkpoint from before --ema was turned on starts the average from its weights
-            checkpoint.set_weights(self.ema.net, contents.get("ema") or contents["model"], path, RESUME_FIX)
-        if self.lookahead:  # likewise a checkpoint from before --lookahead: the slow copy starts as its weights
-            saved = contents.get("lookahead") or contents["model"]
-            try:
-                self.lookahead.set_state_dict(saved, str(path))
-            except ValueError as error:
-                raise checkpoint.CheckpointError(f"{error}; {RESUME_FIX}") from None
-        saved_rng = contents["rng"]
-        chosen, warning = rng.to_restore(saved_rng["by_rank"], env.rank, env.world_size, env.device)
-        rng.apply(chosen, env.device)
-        np.random.set_state(saved_rng["numpy"])
-        self.epoch, self.batch_in_epoch, self.step = (int(contents[k]) for k in ("epoch", "batch_in_epoch", "step"))
-        self.trained_before = float(contents["elapsed_s"])
-        self.best = contents["best"]
-        self.loaded = tuple(contents.get("loaded") or ())
-        return warning

@@ -32,9 +32,7 @@ from paddle_mnist.datasets import augment, data, folder
 from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import checkpoint, report
-from paddle_mnist.files.checkpoint import CheckpointStore
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.files.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
 from paddle_mnist.network import summary, whiten
 from paddle_mnist.network.models import build_model, count_parameters
 from paddle_mnist.ops import onednn
@@ -43,7 +41,9 @@ from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, signal_name
 from paddle_mnist.training import agreement, chance, engine, finetune, scores
-from paddle_mnist.training.session import Session, check_best
+from paddle_mnist.training.checkpoints import Checkpoints
+from paddle_mnist.training.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
+from paddle_mnist.training.session import Session
 from paddle_mnist.training.state import TrainState
 
 
@@ -152,26 +152,6 @@ def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     if not cfg.augment:
         return "off"
     return augment.describe(ds.name, ds.image_shape, cfg.shift, cfg.flip, ds.mirror_asymmetry)
-
-
-def _choose_checkpoint(store: CheckpointStore, cfg: Config, env: DistEnv, log: logging.Logger) -> Path | None:
-    """The newest intact checkpoint, chosen by rank 0 for every rank; damaged ones are set aside with a warning.
-
-    Intact: its SHA-256 matches and the restricted loader reads it. When checkpoints exist but none is intact,
-    the run stops before anything is overwritten.
-    """
-    chosen, tried = store.newest_intact(log.warning) if env.is_main and cfg.resume != "no" else (None, [])
-    step, failed = distributed.all_reduce_max_values(
-        [checkpoint.step_of(chosen) if chosen else -1, 1.0 if tried and not chosen else 0.0], env
-    )
-    if failed:
-        folder = Path(cfg.output_dir) / checkpoint.CKPT_DIR
-        what = f"tried, and set aside: {', '.join(tried)}" if env.is_main else "rank 0's log names what it tried"
-        raise ConfigError(
-            f"--resume: no intact checkpoint in {folder} ({what}); nothing was overwritten: restore a checkpoint, "
-            "or start afresh with --overwrite and without --resume"
-        )
-    return store.path(int(step)) if step >= 0 else None
 
 
 def _log_model(cfg: Config, env: DistEnv, log: logging.Logger, ds: data.Dataset, model: paddle.nn.Layer) -> str | None:
@@ -334,8 +314,9 @@ def train_and_evaluate(
             raise ConfigError(f"{e}: drop --whiten, or pass --no-whiten") from None
 
     whitened = whitening if cfg.whiten else None
-    store = CheckpointStore(cfg.output_dir, cfg.keep_checkpoints)
-    resumed = _choose_checkpoint(store, cfg, env, log)  # first: a resume does not read --init-from's weights
+    files = RunFiles(cfg, env)
+    checkpoints = Checkpoints(cfg, env, log, files)
+    resumed = checkpoints.choose()  # first: a resume does not read --init-from's weights
     start = _start(cfg, env, log, stop, resumed)
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, start)
     table = _log_model(cfg, env, log, ds, state.model)
@@ -345,18 +326,10 @@ def train_and_evaluate(
             "or --accum-steps trains the weights of one process, to the bit"
         )
     if resumed:
-        contents = checkpoint.load(resumed)
-        if warning := state.restore(contents, resumed, env):
-            log.warning(warning)
-        if replanned := state.replan(contents.get("config", {})):
-            log.info(replanned)
-        del contents  # the checkpoint's arrays are no longer needed
-        log.info(f"resumed from {resumed}: epoch {state.epoch + 1}, batch {state.batch_in_epoch}, step {state.step}")
-    files = RunFiles(cfg, env, store)
+        checkpoints.resume(state, resumed)
     files.start(state.epoch if resumed else None, state.step, log)
     if table:
         files.write_text(MODEL_SUMMARY, table)
-    check_best(state, files, log)
     state.start(env)
 
     val = None
@@ -368,6 +341,7 @@ def train_and_evaluate(
         log,
         state,
         files,
+        checkpoints,
         stop=stop,
         batches_per_epoch=len(batches),
         resumed=resumed,
@@ -382,7 +356,7 @@ def train_and_evaluate(
             epoch = engine.Epoch(state, epoch_batches, cfg, env, log, feed)
             for _ in epoch:
                 session.after_step(epoch.loss_sum)
-            session.average_statistics()
+            state.average_statistics(env)
             # --tta costs two to six passes: it scores every epoch only where --target-acc judges them
             val = engine.evaluate(state.scored, val_split, ds, cfg, env, session.dog.alive, tta=tta_each_epoch(cfg))
             if session.end_epoch(epoch.stats, val):

@@ -18,7 +18,7 @@ import paddle
 from paddle_mnist.config import CONFIG_FILE, Config
 from paddle_mnist.datasets import data
 from paddle_mnist.deploy import export
-from paddle_mnist.files import atomic, checkpoint, dashboard, events, plots, report
+from paddle_mnist.files import atomic, checkpoint, dashboard, plots, report
 from paddle_mnist.runtime.distributed import DistEnv
 
 METRICS = plots.METRICS_FILE
@@ -65,9 +65,8 @@ PLOT_INTERVAL_S = 60.0  # shortest time between two drawings of curves.png durin
 
 
 class RunFiles:
-    def __init__(self, cfg: Config, env: DistEnv, store: checkpoint.CheckpointStore):
+    def __init__(self, cfg: Config, env: DistEnv):
         self.out = Path(cfg.output_dir)
-        self.store = store
         self.enabled = env.is_main
         self.cfg = cfg
         self._plotter: subprocess.Popen | None = None
@@ -79,28 +78,14 @@ class RunFiles:
         self.failure: str | None = None  # the first write that failed: its file and the system's reason
 
     @contextlib.contextmanager
-    def _writing(self, path: Path):
+    def writing(self, path: Path):
         """Record a write's OSError instead of raising it, so that every rank can learn of it at the next point
-        where they all meet (Session.meet) and stop together; later writes are skipped."""
+        where they all meet (Session.meet, Checkpoints.failure) and stop together; later writes are skipped."""
         try:
             yield
         except OSError as e:
             code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
             self.failure = self.failure or f"cannot write {path}: {e.strerror or e}{code}"
-
-    def failure_message(self) -> str:
-        """The line every rank logs when a write failed: on rank 0 which file and why, and what was kept."""
-        if not self.enabled:
-            return (
-                "rank 0 could not write a file of the run (the file and the reason are in its log, workerlog.0); "
-                "stopping with it"
-            )
-        kept = self.store.list()
-        last = f"the last good checkpoint {kept[-1]} is intact" if kept else "no checkpoint had been written yet"
-        return (
-            f"{self.failure}; {last} and no partial file was left. Free space or fix the cause, then continue "
-            "with the same command and --resume auto"
-        )
 
     def start(self, resumed_epoch: int | None, resumed_step: int = 0, log: logging.Logger | None = None) -> None:
         """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them.
@@ -109,13 +94,13 @@ class RunFiles:
         """
         if not self.enabled or self.failure:
             return
-        with self._writing(self.out):
+        with self.writing(self.out):
             last_row_step = self._start(resumed_epoch)
         if self.cfg.visualdl and not self.failure:
             self._open_dashboard(None if resumed_epoch is None else (resumed_step, last_row_step), log)
 
     def _open_dashboard(self, resumed: tuple[int, int] | None, log: logging.Logger | None) -> None:
-        with self._writing(self.out / dashboard.FOLDER):
+        with self.writing(self.out / dashboard.FOLDER):
             try:
                 self.dashboard = dashboard.Dashboard(self.out, resumed)
             except ImportError as e:  # found by parse_args, yet it does not import: a broken installation
@@ -133,7 +118,7 @@ class RunFiles:
             metrics.unlink(missing_ok=True)
             dashboard.remove_logs(self.out)
             best = self.out / BEST_WEIGHTS
-            earlier = [best, checkpoint.digest_path(best), *self.store.list()]
+            earlier = [best, checkpoint.digest_path(best), *checkpoint.list_checkpoints(self.out)]
             reports = [self.out / report.FOLDER / name for name in REPORT_FILES]
             for old in [*earlier, *self.out.glob("inference*"), *reports]:
                 if not old.is_dir():  # a user's folder is left alone
@@ -149,7 +134,7 @@ class RunFiles:
         if not self.enabled or self.failure:
             return
         path = self.out / METRICS
-        with self._writing(path):
+        with self.writing(path):
             with open(path, "a") as f:
                 size = f.tell()
                 try:
@@ -197,30 +182,28 @@ class RunFiles:
         if not self.enabled or self.failure:
             return
         folder = self.out / report.FOLDER
-        with self._writing(folder / report.REPORT_FILE):
+        with self.writing(folder / report.REPORT_FILE):
             report.write(folder, contents, images)
         if not self.failure:
             cmd = [sys.executable, report.__file__, "--low-priority", str(folder)]
             self._report_plotter = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
 
-    def save_checkpoint(self, state: dict) -> None:
+    def save_checkpoint(self, path: Path, contents: dict) -> bool:
+        """Rank 0: a checkpoint at path (checkpoint.save_atomic), once the dashboard's scalars up to its step are on
+        disk. Whether it was written (False on other ranks, and once a write has failed)."""
         if not self.enabled or self.failure:
-            return
+            return False
         if self.dashboard:  # every scalar up to the checkpoint's step is on disk before the checkpoint is
             self.dashboard.flush()
-        with self._writing(self.store.path(state["step"])):
-            path = self.store.save(state)
-            events.emit("checkpoint", step=state["step"], path=os.path.abspath(path))
+        with self.writing(path):
+            checkpoint.save_atomic(contents, path)
+        return self.failure is None
 
-    def save_weights(self, model: paddle.nn.Layer) -> None:
+    def save_weights(self, model: paddle.nn.Layer, name: str = WEIGHTS) -> None:
+        """Rank 0: the model's weights as OUTPUT_DIR/name: model.pdparams (the last) or model_best.pdparams."""
         if self.enabled and not self.failure:
-            with self._writing(self.out / WEIGHTS):
-                checkpoint.save_atomic(model.state_dict(), self.out / WEIGHTS)
-
-    def save_best(self, model: paddle.nn.Layer) -> None:
-        if self.enabled and not self.failure:
-            with self._writing(self.out / BEST_WEIGHTS):
-                checkpoint.save_atomic(model.state_dict(), self.out / BEST_WEIGHTS)
+            with self.writing(self.out / name):
+                checkpoint.save_atomic(model.state_dict(), self.out / name)
 
     def export_inference(self, net: paddle.nn.Layer, ds: data.Dataset, weights: str) -> None:
         """The unwrapped network for python -m paddle_mnist.predict --model OUTPUT_DIR/inference."""
@@ -232,5 +215,5 @@ class RunFiles:
 
     def write_text(self, name: str, text: str) -> None:
         if self.enabled and not self.failure:
-            with self._writing(self.out / name):
+            with self.writing(self.out / name):
                 atomic.write_text(self.out / name, text if text.endswith("\n") else text + "\n")
