@@ -134,7 +134,7 @@ def plain_batch_norm(model: paddle.nn.Layer, plain: paddle.nn.Layer) -> paddle.n
 
 
 # Gradient buckets in MB for NCCL. Smaller than Paddle's defaults (25, 1) so that the all-reduce of the last layers'
-# gradients starts while backward still runs through the first ones; the reasoning is in docs/performance.md.
+# gradients starts while backward still runs through the first ones; the reasoning is in docs/gpu.md.
 COMM_BUFFER_MB, LAST_COMM_BUFFER_MB = 2, 0.25
 
 

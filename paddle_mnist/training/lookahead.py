@@ -4,7 +4,7 @@ Every EVERY optimizer steps the slow copy moves toward the weights, slow = d * s
 weights become the slow copy. d grows with the run, PER_STEP ** EVERY * (step / planned) ** 3: about 0 early, so
 the weights train freely, and 0.77 at the end, where it averages out the last steps' noise. At the schedule's last
 step the weights become the slow copy. The schedule is airbench94's (K. Jordan, 2024); the mirror measured the
-lookahead worth 0.9 points there (docs/results.md, "What 90% would take").
+lookahead worth 0.9 points there (docs/results.md, "The frontier").
 
 Only the trained parameters have a slow copy: they are the same on every rank, so every rank's copy is the same
 and rank 0's checkpoint resumes every rank exactly (batch norm's running statistics, each rank's own until they
