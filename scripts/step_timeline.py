@@ -8,6 +8,9 @@ random values, the model built as the trainer builds it, oneDNN's operators, one
 paddle.distributed.launch in five modes, one after another, the order reversed every other round:
 
     none       no collective: N independent processes side by side (the limit)
+    lockstep   no collective either: after each backward pass the ranks meet over a plain socket (one byte to rank 0
+               and one back, Meeting below), so every step waits for the slowest rank as a data-parallel step does,
+               with nothing of Paddle's in the meeting: what any synchronous job pays on the machine
     barrier    a one-value all-reduce after each backward pass: the cost of meeting, with nothing to carry
     allreduce  the same meeting, then one all-reduce of all gradients flattened: meeting and carrying apart
     dataparallel  paddle.DataParallel with every gradient in one bucket, as the trainer runs gloo
@@ -38,7 +41,7 @@ from pathlib import Path
 
 from scripts.bench_torch import PER_WORKER, REPO
 
-MODES = ("none", "barrier", "allreduce", "dataparallel", "overlap")
+MODES = ("none", "lockstep", "barrier", "allreduce", "dataparallel", "overlap")
 SKIP = 20  # warm-up steps left out of the medians
 
 
@@ -58,7 +61,7 @@ def worker(args) -> None:
 
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
-    coupled = args.mode != "none" and world > 1
+    coupled = args.mode not in ("none", "lockstep") and world > 1
     if coupled:
         dist.init_parallel_env()
     paddle.base.core.set_num_threads(1)
@@ -76,6 +79,9 @@ def worker(args) -> None:
         comm, last = buckets(net, DistEnv(rank, world, rank, world, "gloo", "cpu"))
         model = paddle.DataParallel(net, comm_buffer_size=comm, last_comm_buffer_size=last)
     stream = GradientStream(net, world) if coupled and args.mode == "overlap" else None
+    meeting = Meeting(rank, world) if args.mode == "lockstep" and world > 1 else None
+    if args.nice:  # this thread only: Paddle's transport threads and the overlap's thread, started above, keep 0
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
     xs = [paddle.randn([PER_WORKER, *shape]) for _ in range(4)]
     ys = [paddle.randint(0, 10, [PER_WORKER]) for _ in range(4)]
     one = paddle.zeros([1])
@@ -90,6 +96,8 @@ def worker(args) -> None:
             dist.all_reduce(one)
         if stream:
             stream.finish()
+        if meeting:
+            meeting.meet()
         t3 = clock()
         if coupled and args.mode == "allreduce":
             flat = paddle.concat([p.grad.reshape([-1]) for p in params])
@@ -104,6 +112,47 @@ def worker(args) -> None:
         opt.clear_grad()
         marks.append((t0, t1, t2, t3, t4, clock()))
     Path(args.out, f"{rank}.json").write_text(json.dumps(marks))
+
+
+class Meeting:
+    """The lockstep mode's barrier, outside Paddle: every rank sends rank 0 one byte over TCP and waits for one
+    back, which rank 0 sends once it has heard from all. Rank 0 listens on its own endpoint from the launcher
+    (PADDLE_TRAINER_ENDPOINTS), which nothing else uses in this mode. Blocking reads, as gloo's waits block."""
+
+    def __init__(self, rank: int, world: int):
+        import socket
+
+        host, port = os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")[0].rsplit(":", 1)
+        self.rank, self.peers = rank, []
+        if rank == 0:
+            with socket.create_server((host, int(port)), backlog=world) as server:
+                server.settimeout(120)
+                self.peers = [server.accept()[0] for _ in range(world - 1)]
+        else:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    self.peers = [socket.create_connection((host, int(port)), timeout=5)]
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        for peer in self.peers:
+            peer.settimeout(120)
+            peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def meet(self) -> None:
+        if self.rank == 0:
+            for peer in self.peers:
+                if not peer.recv(1):
+                    raise ConnectionError("a rank left the lockstep meeting")
+            for peer in self.peers:
+                peer.sendall(b"m")
+        else:
+            self.peers[0].sendall(b"m")
+            if not self.peers[0].recv(1):
+                raise ConnectionError("rank 0 left the lockstep meeting")
 
 
 class GradientStream:
@@ -188,7 +237,7 @@ def run_mode(mode: str, args, work: Path, env: dict) -> dict:
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.workers)]
     launch += ["--log_dir", str(work / f"log-{mode}")]
     cmd = launch + [str(Path(__file__).resolve()), "worker", "--mode", mode, "--model", args.model]
-    cmd += ["--steps", str(args.steps), "--out", str(out)]
+    cmd += ["--steps", str(args.steps), "--out", str(out), "--nice", str(args.nice)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     files = sorted(out.glob("*.json"), key=lambda f: int(f.stem))
     if proc.returncode != 0 or len(files) != args.workers:
@@ -207,19 +256,27 @@ def main() -> int:
     w.add_argument("--model", required=True)
     w.add_argument("--steps", type=int, required=True)
     w.add_argument("--out", required=True)
+    w.add_argument("--nice", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default="mnist_cnn_bn_fc", help="a name of paddle_mnist.network.models.MODELS")
     p.add_argument("--steps", type=int, default=300, help=f"steps a run (the first {SKIP} not counted)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="the training thread's nice value (0 to 19); the threads that carry gradients keep 0, so a wake-up "
+        "of theirs takes the core from the training thread at once (try it with the overlap mode)",
+    )
     p.add_argument("--json", type=Path, help="write every round's figures here")
     args = p.parse_args()
     if args.command == "worker":
         worker(args)
         return 0
     modes = args.modes.split(",")
-    if any(m not in MODES for m in modes) or args.steps <= SKIP + 2 or args.workers < 1:
-        p.error(f"--modes of {', '.join(MODES)}; --steps above {SKIP + 2}; --workers at least 1")
+    if any(m not in MODES for m in modes) or args.steps <= SKIP + 2 or args.workers < 1 or not 0 <= args.nice <= 19:
+        p.error(f"--modes of {', '.join(MODES)}; --steps above {SKIP + 2}; --workers at least 1; --nice 0 to 19")
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
     env.pop("OMP_NUM_THREADS", None)
     results: dict[str, list[dict]] = {m: [] for m in modes}
@@ -227,7 +284,9 @@ def main() -> int:
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 results[mode].append(run_mode(mode, args, Path(tmp), env))
-    print(f"{args.model}, {args.workers} worker(s) x 1 thread, {PER_WORKER} images a worker a step, {args.steps} steps")
+    nice = f", training thread at nice {args.nice}" if args.nice else ""
+    print(f"{args.model}, {args.workers} worker(s) x 1 thread{nice}, {PER_WORKER} images a worker a step, ", end="")
+    print(f"{args.steps} steps")
     print(f"a run, {args.rounds} round(s); ms: median over ranks, steps and rounds; images/s: median of rounds")
     cols = ("forward", "backward", "wait", "all-reduce", "optimizer", "step")
     print(f"{'mode':<13}" + "".join(f"{c:>11}" for c in cols) + f"{'images/s':>11}{'of none':>9}")
@@ -241,7 +300,8 @@ def main() -> int:
         own = [round(x) for r in results["none"] for x in r["rank_rates"]]
         print(f"none, each process's own images/s: {min(own)} to {max(own)} (all rounds)")
     if args.json:
-        args.json.write_text(json.dumps({"workers": args.workers, "model": args.model, "results": results}) + "\n")
+        kept = {"workers": args.workers, "model": args.model, "nice": args.nice, "results": results}
+        args.json.write_text(json.dumps(kept) + "\n")
     return 0
 
 
