@@ -5,9 +5,11 @@
 
 The trainer's step without its machinery (no logging, checkpoints or input pipeline: fixed batches of 64 images,
 random values, the model built as the trainer builds it, oneDNN's operators, one thread a worker), run under
-paddle.distributed.launch in five modes, one after another, the order reversed every other round:
+paddle.distributed.launch in these modes, one after another, the order reversed every other round:
 
     none       no collective: N independent processes side by side (the limit)
+    pause      no collective, no meeting: each rank sleeps 1 ms after each backward pass, about what a rank of a
+               lockstep job waits, so its core idles as a waiting core does, with the ranks' steps left unaligned
     lockstep   no collective either: after each backward pass the ranks meet over a plain socket (one byte to rank 0
                and one back, Meeting below), so every step waits for the slowest rank as a data-parallel step does,
                with nothing of Paddle's in the meeting: what any synchronous job pays on the machine
@@ -21,7 +23,7 @@ Every rank records, for every step, when it started, ended its forward and backw
 the all-reduce and ended the optimizer step (one clock for all processes: CLOCK_MONOTONIC). The table gives each
 phase's median over ranks and steps (the first 20 steps left out), the global images/s and the share of the none
 mode's rate. "wait" is the time from a rank's end of backward to the meeting's end: the slower rank's lead plus
-the meeting's own latency. --json keeps every record.
+the meeting's own latency. --json keeps every round's figures.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ from pathlib import Path
 
 from scripts.bench_torch import PER_WORKER, REPO
 
-MODES = ("none", "lockstep", "barrier", "allreduce", "dataparallel", "overlap")
+MODES = ("none", "pause", "lockstep", "barrier", "allreduce", "dataparallel", "overlap")
 SKIP = 20  # warm-up steps left out of the medians
+PAUSE = 0.001  # s, the pause mode's idle time a step
 
 
 def worker(args) -> None:
@@ -61,7 +64,7 @@ def worker(args) -> None:
 
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
     rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
-    coupled = args.mode not in ("none", "lockstep") and world > 1
+    coupled = args.mode not in ("none", "pause", "lockstep") and world > 1
     if coupled:
         dist.init_parallel_env()
     paddle.base.core.set_num_threads(1)
@@ -98,6 +101,8 @@ def worker(args) -> None:
             stream.finish()
         if meeting:
             meeting.meet()
+        if args.mode == "pause":
+            time.sleep(PAUSE)
         t3 = clock()
         if coupled and args.mode == "allreduce":
             flat = paddle.concat([p.grad.reshape([-1]) for p in params])
