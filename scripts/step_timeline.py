@@ -83,6 +83,8 @@ def worker(args) -> None:
         model = paddle.DataParallel(net, comm_buffer_size=comm, last_comm_buffer_size=last)
     stream = GradientStream(net, world) if coupled and args.mode == "overlap" else None
     meeting = Meeting(rank, world) if args.mode == "lockstep" and world > 1 else None
+    if args.spin:
+        IdleSpinner().start()
     if args.nice:  # this thread only: Paddle's transport threads and the overlap's thread, started above, keep 0
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
     xs = [paddle.randn([PER_WORKER, *shape]) for _ in range(4)]
@@ -117,6 +119,31 @@ def worker(args) -> None:
         opt.clear_grad()
         marks.append((t0, t1, t2, t3, t4, clock()))
     Path(args.out, f"{rank}.json").write_text(json.dumps(marks))
+
+
+class IdleSpinner:
+    """--spin: a thread that keeps this rank's core busy while nothing else on it wants to run. SCHED_IDLE, so any
+    thread that wakes takes the core from it at once; it spins in glibc's pthread_spin_lock on a lock that stays
+    held, without the GIL (ctypes lets it go for the call) and without a system call, so the core never halts.
+    Linux with glibc only (SystemExit elsewhere)."""
+
+    def start(self) -> None:
+        import ctypes
+
+        lib = ctypes.CDLL(None)
+        self.lock = ctypes.create_string_buffer(64)  # a pthread_spinlock_t is an int: room to spare
+        if lib.pthread_spin_init(self.lock, 0) != 0 or lib.pthread_spin_lock(self.lock) != 0:
+            raise SystemExit("--spin: pthread_spin_lock failed")
+        started = threading.Event()
+
+        def spin() -> None:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+            started.set()
+            lib.pthread_spin_lock(self.lock)  # held above: spins until the process ends
+
+        threading.Thread(target=spin, name="idle-spinner", daemon=True).start()
+        if not started.wait(30):
+            raise SystemExit("--spin: the spinning thread did not start")
 
 
 class Meeting:
@@ -242,7 +269,7 @@ def run_mode(mode: str, args, work: Path, env: dict) -> dict:
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(args.workers)]
     launch += ["--log_dir", str(work / f"log-{mode}")]
     cmd = launch + [str(Path(__file__).resolve()), "worker", "--mode", mode, "--model", args.model]
-    cmd += ["--steps", str(args.steps), "--out", str(out), "--nice", str(args.nice)]
+    cmd += ["--steps", str(args.steps), "--out", str(out), "--nice", str(args.nice)] + ["--spin"] * args.spin
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     files = sorted(out.glob("*.json"), key=lambda f: int(f.stem))
     if proc.returncode != 0 or len(files) != args.workers:
@@ -262,6 +289,7 @@ def main() -> int:
     w.add_argument("--steps", type=int, required=True)
     w.add_argument("--out", required=True)
     w.add_argument("--nice", type=int, default=0)
+    w.add_argument("--spin", action="store_true")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default="mnist_cnn_bn_fc", help="a name of paddle_mnist.network.models.MODELS")
     p.add_argument("--steps", type=int, default=300, help=f"steps a run (the first {SKIP} not counted)")
@@ -275,6 +303,12 @@ def main() -> int:
         "of theirs takes the core from the training thread at once (try it with the overlap mode)",
     )
     p.add_argument("--json", type=Path, help="write every round's figures here")
+    p.add_argument(
+        "--spin",
+        action="store_true",
+        help="every rank keeps its core busy while it waits: a thread of the lowest priority (SCHED_IDLE) spinning "
+        "without the GIL, so the core never idles (Linux)",
+    )
     args = p.parse_args()
     if args.command == "worker":
         worker(args)
@@ -290,6 +324,7 @@ def main() -> int:
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 results[mode].append(run_mode(mode, args, Path(tmp), env))
     nice = f", training thread at nice {args.nice}" if args.nice else ""
+    nice += ", a spinning thread a rank" if args.spin else ""
     print(f"{args.model}, {args.workers} worker(s) x 1 thread{nice}, {PER_WORKER} images a worker a step, ", end="")
     print(f"{args.steps} steps")
     print(f"a run, {args.rounds} round(s); ms: median over ranks, steps and rounds; images/s: median of rounds")
@@ -305,7 +340,8 @@ def main() -> int:
         own = [round(x) for r in results["none"] for x in r["rank_rates"]]
         print(f"none, each process's own images/s: {min(own)} to {max(own)} (all rounds)")
     if args.json:
-        kept = {"workers": args.workers, "model": args.model, "nice": args.nice, "results": results}
+        kept = {"workers": args.workers, "model": args.model, "nice": args.nice, "spin": args.spin}
+        kept["results"] = results
         args.json.write_text(json.dumps(kept) + "\n")
     return 0
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # real workers under paddle.distributed.launch
 def test_each_mode_times_both_ranks_and_only_the_coupled_modes_meet(tmp_path):
     out = tmp_path / "timeline.json"
     cmd = [sys.executable, "-m", "scripts.step_timeline", "--steps", "26", "--rounds", "1"]
-    cmd += ["--modes", "none,pause,lockstep,allreduce,overlap", "--nice", "19", "--json", str(out)]
+    cmd += ["--modes", "none,pause,lockstep,allreduce,overlap", "--nice", "19", "--spin", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
@@ -27,7 +27,7 @@ def test_each_mode_times_both_ranks_and_only_the_coupled_modes_meet(tmp_path):
         assert results[alone][0]["all-reduce"] < 0.05
     assert results["pause"][0]["wait"] >= 1.0  # ms: the pause mode's sleep, where a meeting would be
     assert results["allreduce"][0]["all-reduce"] > 0.05  # 1 MB of gradients carried every step
-    assert "of none" in proc.stdout and "overlap" in proc.stdout and "training thread at nice 19" in proc.stdout
+    assert "of none" in proc.stdout and "overlap" in proc.stdout and "nice 19, a spinning thread a rank" in proc.stdout
 
 
 def test_a_nice_value_out_of_range_is_refused_before_any_worker_starts():
