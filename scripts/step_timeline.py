@@ -84,7 +84,7 @@ def worker(args) -> None:
     stream = GradientStream(net, world) if coupled and args.mode == "overlap" else None
     meeting = Meeting(rank, world) if args.mode == "lockstep" and world > 1 else None
     if args.spin:
-        IdleSpinner().start()
+        start_idle_spinner()
     if args.nice:  # this thread only: Paddle's transport threads and the overlap's thread, started above, keep 0
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
     xs = [paddle.randn([PER_WORKER, *shape]) for _ in range(4)]
@@ -121,29 +121,27 @@ def worker(args) -> None:
     Path(args.out, f"{rank}.json").write_text(json.dumps(marks))
 
 
-class IdleSpinner:
+def start_idle_spinner() -> None:
     """--spin: a thread that keeps this rank's core busy while nothing else on it wants to run. SCHED_IDLE, so any
     thread that wakes takes the core from it at once; it spins in glibc's pthread_spin_lock on a lock that stays
     held, without the GIL (ctypes lets it go for the call) and without a system call, so the core never halts.
     Linux with glibc only (SystemExit elsewhere)."""
+    import ctypes
 
-    def start(self) -> None:
-        import ctypes
+    lib = ctypes.CDLL(None)
+    lock = ctypes.create_string_buffer(64)  # a pthread_spinlock_t is an int: room to spare
+    if lib.pthread_spin_init(lock, 0) != 0 or lib.pthread_spin_lock(lock) != 0:
+        raise SystemExit("--spin: pthread_spin_lock failed")
+    started = threading.Event()
 
-        lib = ctypes.CDLL(None)
-        self.lock = ctypes.create_string_buffer(64)  # a pthread_spinlock_t is an int: room to spare
-        if lib.pthread_spin_init(self.lock, 0) != 0 or lib.pthread_spin_lock(self.lock) != 0:
-            raise SystemExit("--spin: pthread_spin_lock failed")
-        started = threading.Event()
+    def spin() -> None:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+        started.set()
+        lib.pthread_spin_lock(lock)  # held above: spins until the process ends
 
-        def spin() -> None:
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
-            started.set()
-            lib.pthread_spin_lock(self.lock)  # held above: spins until the process ends
-
-        threading.Thread(target=spin, name="idle-spinner", daemon=True).start()
-        if not started.wait(30):
-            raise SystemExit("--spin: the spinning thread did not start")
+    threading.Thread(target=spin, name="idle-spinner", daemon=True).start()
+    if not started.wait(30):
+        raise SystemExit("--spin: the spinning thread did not start")
 
 
 class Meeting:
@@ -323,9 +321,9 @@ def main() -> int:
         for r in range(args.rounds):
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 results[mode].append(run_mode(mode, args, Path(tmp), env))
-    nice = f", training thread at nice {args.nice}" if args.nice else ""
-    nice += ", a spinning thread a rank" if args.spin else ""
-    print(f"{args.model}, {args.workers} worker(s) x 1 thread{nice}, {PER_WORKER} images a worker a step, ", end="")
+    setting = f", training thread at nice {args.nice}" if args.nice else ""
+    setting += ", a spinning thread a rank" if args.spin else ""
+    print(f"{args.model}, {args.workers} worker(s) x 1 thread{setting}, {PER_WORKER} images a worker a step, ", end="")
     print(f"{args.steps} steps")
     print(f"a run, {args.rounds} round(s); ms: median over ranks, steps and rounds; images/s: median of rounds")
     cols = ("forward", "backward", "wait", "all-reduce", "optimizer", "step")
