@@ -7,6 +7,7 @@ import math
 import os
 import pickle
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -290,9 +291,31 @@ def all_reduce_max(value: float, env: DistEnv) -> float:
     return float(all_reduce_max_values([value], env)[0])
 
 
-def job_store():
-    """The job-wide TCP key-value store that init_parallel_env() set up (counters via add())."""
-    return paddle.base.core.create_or_get_global_tcp_store()
+class Counters:
+    """A TCP key-value store's counters, one call at a time. Paddle's client is one connection that does not lock:
+    two threads adding at once read each other's replies or reset the connection (3 threads adding to their own
+    keys: a count jumped from 3 to 768, then "Connection reset by peer"). A caller that must not hang with a store
+    that stops answering calls from a thread it can give up on; the lock makes the others wait behind it."""
+
+    def __init__(self, store):
+        self._store = store
+        self._lock = threading.Lock()
+
+    def add(self, key: str, n: int) -> int:
+        """Add n to the counter (0 reads it); its new value."""
+        with self._lock:
+            return self._store.add(key, n)
+
+
+_job_counters: Counters | None = None
+
+
+def job_store() -> Counters:
+    """The job-wide TCP key-value store that init_parallel_env() set up, shared by every thread of this process."""
+    global _job_counters
+    if _job_counters is None:
+        _job_counters = Counters(paddle.base.core.create_or_get_global_tcp_store())
+    return _job_counters
 
 
 def barrier(env: DistEnv) -> None:

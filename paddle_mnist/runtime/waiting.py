@@ -38,7 +38,6 @@ class Meeting:
     ):
         self.name, self.what, self.env, self.log, self.stopped, self.unit = name, what, env, log, stopped, unit
         self._store = job_store() if env.world_size > 1 else None
-        self._lock = threading.Lock()  # the store's client is one connection: one call at a time
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
         self._reported = 0
@@ -47,8 +46,7 @@ class Meeting:
         return f"{PREFIX}/{self.name}/{what}/{rank}"
 
     def _add(self, what: str, rank: int, n: int) -> int:
-        with self._lock:
-            return self._store.add(self._key(what, rank), n)
+        return self._store.add(self._key(what, rank), n)
 
     def __enter__(self) -> Meeting:
         if self._store is not None:

@@ -64,7 +64,8 @@ def timeout_problem(timeout: float, backend: str) -> str | None:
 
 
 class Watchdog:
-    def __init__(self, env: DistEnv, timeout: float | None, log: logging.Logger, interval: float = 1.0):
+    def __init__(self, env: DistEnv, timeout: float | None, log: logging.Logger, interval: float = 1.0, store=None):
+        """store: the ranks' counters (distributed.Counters); by default the job's, set up by init_parallel_env()."""
         self.env, self.log, self.interval = env, log, interval
         self.timeout = timeout_for(timeout, env.backend)
         self.step = 0
@@ -75,14 +76,14 @@ class Watchdog:
         self._last = time.monotonic()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._store = None
+        self._store = store
 
     def __enter__(self) -> Watchdog:
         problem = timeout_problem(self.timeout, self.env.backend)
         if problem and self.env.world_size > 1 and self.env.is_main:
             self.log.warning(problem)
         if self.env.world_size > 1 and self.timeout > 0:
-            self._store = job_store()
+            self._store = job_store() if self._store is None else self._store
             self._last = time.monotonic()
             for target in (self._heartbeat, self._judge):
                 thread = threading.Thread(target=target, name=f"watchdog{target.__name__}", daemon=True)
@@ -136,9 +137,12 @@ class Watchdog:
                 found: list[str] = []
                 busy: list[int] = []
                 quiet: list[int] = []
+                asked_at = self._last
                 asking = threading.Thread(target=self._who_is_quiet, args=(found, busy, quiet), daemon=True)
                 asking.start()
                 asking.join((3 + ASK_INTERVALS) * self.interval)
+                if self._last != asked_at:  # the collective returned while the verdict was asked: none is due
+                    continue
                 if busy and time.monotonic() - self._last < patience:
                     self._wait_for(busy)
                     continue
