@@ -144,6 +144,7 @@ class Config:
     collective_timeout: float | None = None  # None: the backend's default (watchdog.timeout_for)
     cpu_threads: int = 0  # 0 = the machine's cores divided among this node's workers
     conv_backend: str = "auto"  # CPU training's convolutions: oneDNN's custom operator where it works (onednn.py)
+    cpu_sums: str = "shared-memory"  # what carries CPU workers' sums within one machine (runtime/local_sum.py)
     timing_every: int = 25  # time the phases of every Nth step (0: off)
     profile_steps: str = ""  # "A:B": record optimizer steps A to B with paddle.profiler ("": off)
     # --dataset folder only (docs/datasets.md, "Your own images")
@@ -422,6 +423,14 @@ def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
         "machine and Paddle version, then cached) where it builds and checks out, else Paddle's with one log line "
         "saying why (the same build holds the 2x2 max-pool it uses with them); onednn requires it; paddle never "
         "builds it. The weights and the exported model are the same",
+    )
+    p.add_argument(
+        "--cpu-sums",
+        default=d.cpu_sums,
+        choices=("shared-memory", "gloo"),
+        help="what carries the CPU workers' sums (gradients, losses, meetings) when every worker is on this machine: "
+        "shared memory, added in rank order (falls back to gloo, saying why, where it cannot be set up), or "
+        "Paddle's gloo all-reduce; between machines it is always gloo",
     )
     _add_count(
         p,

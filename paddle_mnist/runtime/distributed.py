@@ -9,14 +9,14 @@ import pickle
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
 import paddle.distributed as dist
 
 from paddle_mnist.files import safeload
-from paddle_mnist.runtime import preflight
+from paddle_mnist.runtime import local_sum, preflight
 from paddle_mnist.runtime.launch import (
     LaunchError,
     check_gpu_kernels,
@@ -29,6 +29,15 @@ from paddle_mnist.runtime.launch import (
 )
 
 
+class Carrier:
+    """What carries a process's sums over the workers: shared memory (local_sum.LocalSum) once wrap() opened it
+    on a CPU job within one machine, else Paddle's collectives; `note` says which, for the start-up line."""
+
+    def __init__(self) -> None:
+        self.local: local_sum.LocalSum | None = None
+        self.note = ""
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
@@ -37,6 +46,7 @@ class DistEnv:
     local_size: int
     backend: str  # "gloo", "nccl" or "none" for one process
     device: str  # "cpu" or "gpu:N"
+    carrier: Carrier = field(default_factory=Carrier, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -150,27 +160,120 @@ def buckets(model: paddle.nn.Layer, env: DistEnv) -> tuple[float, float]:
     return whole, whole
 
 
-def wrap(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
-    """DataParallel for more than one worker: it broadcasts rank 0's weights, then averages gradients."""
+def wrap(model: paddle.nn.Layer, env: DistEnv, cpu_sums: str = "shared-memory", width: int = 4) -> paddle.nn.Layer:
+    """DataParallel for more than one worker: it broadcasts rank 0's weights, then averages gradients. On CPU
+    within one machine (cpu_sums "shared-memory") the sums go through shared memory instead (open_local_sum), for
+    a gradient of width bytes a value; DataParallel then never all-reduces (gradient_sync, average_gradients)."""
     if env.world_size == 1:
         return model
     comm, last = buckets(model, env)
-    return paddle.DataParallel(model, comm_buffer_size=comm, last_comm_buffer_size=last)
+    wrapped = paddle.DataParallel(model, comm_buffer_size=comm, last_comm_buffer_size=last)
+    if env.backend == "gloo" and env.carrier.local is None:
+        trainable = sum(math.prod(p.shape) for p in model.parameters() if not p.stop_gradient)
+        open_local_sum(env, cpu_sums, max(trainable * width, SMALL_SUM_BYTES))
+    return wrapped
 
 
-def gradient_sync(model: paddle.nn.Layer, sync: bool):
-    """A context for one backward pass: all-reduce its gradients (sync) or keep them local (DataParallel.no_sync)."""
-    if sync or not isinstance(model, paddle.DataParallel):
+SMALL_SUM_BYTES = 64 * 1024  # the least a slot holds: the step's and epoch's small sums, an evaluation's counts
+
+
+def open_local_sum(env: DistEnv, cpu_sums: str, capacity: int) -> None:
+    """Give env's carrier a shared-memory sum where every worker of the job is on this machine and it can be set
+    up on every rank, else leave the sums to gloo; either way env.carrier.note says which and why. Every rank
+    must call it: rank 0 creates the segment, the others map it, then rank 0 removes its name."""
+    carrier = env.carrier
+    problem = local_sum.usable()
+    if cpu_sums != "shared-memory":
+        carrier.note = "sums over the workers: gloo (--cpu-sums gloo)"
+        return
+    if env.local_size < env.world_size:
+        carrier.note = (
+            f"sums over the workers: gloo, since the job spans machines ({env.local_size} of its {env.world_size} "
+            "workers here); shared memory carries them only within one machine"
+        )
+        return
+    if problem:  # the same machine for every rank: the same answer
+        carrier.note = f"sums over the workers: gloo, since shared memory cannot carry them here: {problem}"
+        return
+    size = local_sum.segment_bytes(env.world_size, capacity)
+    mine: local_sum.LocalSum | None = None
+    path = ""
+    if env.rank == 0:
+        try:
+            mine = local_sum.LocalSum.create(env.world_size, capacity)
+            path = mine.path
+        except OSError as e:
+            problem = (
+                f"{local_sum.DIRECTORY} could not take {size / 2**20:.1f} MiB ({e.strerror or e}); give it that much "
+                "free space, writable (docker: --shm-size), to carry them there"
+            )
+    path, problem = gather_objects((path, problem), env)[0]
+    if env.rank != 0 and not problem:
+        try:
+            mine = local_sum.LocalSum.attach(path, env.rank, env.world_size, capacity)
+        except OSError as e:
+            problem = f"rank {env.rank} could not map {path} ({e.strerror or e})"
+    problems = [p for p in gather_objects(problem, env) if p]
+    if mine is not None and env.rank == 0:
+        mine.unlink()  # every rank has mapped it or given up: nothing is left behind, however the job ends
+    if problems:
+        if mine is not None:
+            mine.close()
+        carrier.note = f"sums over the workers: gloo, since shared memory could not be set up: {problems[0]}"
+        return
+    carrier.local = mine
+    carrier.note = (
+        f"sums over the workers: shared memory ({size / 2**20:.1f} MiB, {env.world_size} workers on this machine), "
+        "added in rank order"
+    )
+
+
+def gradient_sync(model: paddle.nn.Layer, env: DistEnv, sync: bool):
+    """A context for one backward pass: DataParallel all-reduces its gradients (sync, where shared memory does not
+    carry the sums) or keeps them local (DataParallel.no_sync)."""
+    if not isinstance(model, paddle.DataParallel) or (sync and env.carrier.local is None):
         return contextlib.nullcontext()
     return model.no_sync()
 
 
-def sum_over_workers(model: paddle.nn.Layer) -> Callable[[paddle.Tensor], None]:
-    """What sums a tensor over the workers in place: an all-reduce where DataParallel wraps the model (more than
-    one worker), else nothing."""
-    if isinstance(model, paddle.DataParallel):
-        return dist.all_reduce
-    return lambda t: None
+def average_gradients(model: paddle.nn.Layer, env: DistEnv) -> None:
+    """Where shared memory carries the sums: every gradient averaged over the workers (each worker's scaled by
+    1/N, then added in rank order, as DataParallel scales before its all-reduce). Elsewhere DataParallel did it
+    in the backward pass: nothing to do."""
+    local = env.carrier.local
+    if local is None or not isinstance(model, paddle.DataParallel):
+        return
+    grads = [p.grad for p in model.parameters() if not p.stop_gradient and p.grad is not None]
+    by_dtype: dict[str, list[paddle.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(str(g.dtype), []).append(g)
+    for group in by_dtype.values():
+        flat = paddle.concat([g.reshape([-1]) for g in group]).numpy()
+        _write_back(group, local.sum(flat, scale=1.0 / env.world_size))
+
+
+def _write_back(tensors: list[paddle.Tensor], flat: np.ndarray) -> None:
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        paddle.assign(paddle.to_tensor(flat[offset : offset + n].reshape(t.shape)), output=t)
+        offset += n
+
+
+def sum_over_workers(model: paddle.nn.Layer, env: DistEnv) -> Callable[[paddle.Tensor], None]:
+    """What sums a tensor over the workers in place: through shared memory or an all-reduce where DataParallel
+    wraps the model (more than one worker), else nothing."""
+    if not isinstance(model, paddle.DataParallel):
+        return lambda t: None
+    return lambda t: _sum_in_place(t, env)
+
+
+def _sum_in_place(t: paddle.Tensor, env: DistEnv) -> None:
+    local = env.carrier.local
+    if local is None or t.size * t.element_size() > local.capacity:
+        dist.all_reduce(t)
+        return
+    paddle.assign(paddle.to_tensor(local.sum(t.numpy())), output=t)
 
 
 def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
@@ -188,7 +291,7 @@ def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
     for t in _untrained(model):
         groups.setdefault(str(t.dtype), []).append(t)
     for group in groups.values():
-        _average_in_place(group)
+        _average_in_place(group, env)
 
 
 def _untrained(model: paddle.nn.Layer) -> list[paddle.Tensor]:
@@ -245,16 +348,12 @@ def gather_objects(obj: object, env: DistEnv) -> list:
     return [safeload.loads(t.numpy()[:n].tobytes(), safeload.CHECKPOINT) for t, n in zip(gathered, sizes)]
 
 
-def _average_in_place(tensors: list[paddle.Tensor]) -> None:
+def _average_in_place(tensors: list[paddle.Tensor], env: DistEnv) -> None:
     """Pack same-dtype tensors into one buffer, scale by 1/world size, sum over workers, copy back."""
     flat = paddle.concat([t.reshape([-1]) for t in tensors])
-    flat.scale_(1.0 / dist.get_world_size())
-    dist.all_reduce(flat)
-    offset = 0
-    for t in tensors:
-        n = int(t.size)
-        paddle.assign(flat[offset : offset + n].reshape(t.shape), output=t)
-        offset += n
+    flat.scale_(1.0 / env.world_size)
+    _sum_in_place(flat, env)
+    _write_back(tensors, flat.numpy())
 
 
 def device_sync(env: DistEnv):
@@ -272,6 +371,9 @@ def _all_reduce(values: np.ndarray, env: DistEnv, op) -> np.ndarray:
     values = np.asarray(values, dtype=np.float64)
     if env.world_size == 1:
         return values
+    local = env.carrier.local
+    if local is not None and local.fits(values):
+        return local.sum(values) if op == dist.ReduceOp.SUM else local.max(values)
     t = paddle.to_tensor(values, dtype="float64")
     dist.all_reduce(t, op=op)
     return t.numpy()

@@ -23,6 +23,7 @@ from paddle_mnist.runtime.distributed import (
     DistEnv,
     all_reduce_max,
     all_reduce_sum,
+    average_gradients,
     device_sync,
     gather_objects,
     gradient_sync,
@@ -106,7 +107,7 @@ class Epoch:
                 sampled = timer if timer.wants(steps) else None
                 share = (env.rank * len(labels), env.world_size * len(labels))
                 loss, batch_loss_sum, batch_correct, norm = train_step(
-                    state, images, labels, cfg, sampled, self.feed, share
+                    state, images, labels, cfg, sampled, self.feed, share, env
                 )
                 state.sched.step()
                 state.step += 1
@@ -200,15 +201,21 @@ def global_grad_norm(params: list) -> paddle.Tensor:
     return paddle.sqrt(paddle.add_n(squares))
 
 
-def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, share=None):
+ONE_PROCESS = DistEnv(0, 1, 0, 1, "none", "cpu")
+
+
+def train_step(
+    state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, share=None, env: DistEnv = ONE_PROCESS
+):
     """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
 
     norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
     ClipGradByGlobalNorm clips the averaged gradients, which are the same on every worker, so all clip alike.
 
     Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
-    mean over the worker's whole batch, as without accumulation; gradients are all-reduced only in the last
-    backward pass (DataParallel's no_sync for the others). Where state.exact, every image's loss weighs 1/(global
+    mean over the worker's whole batch, as without accumulation; gradients are averaged over the workers once,
+    after the last backward pass: through shared memory where env's carrier has it, else by DataParallel's
+    all-reduce inside that pass (its no_sync for the others). Where state.exact, every image's loss weighs 1/(global
     batch) instead, every backward pass keeps its gradients local, and the step's float64 sums (network/exact.py)
     are all-reduced once after the last and rounded to float32 once. With a timing.StepTimer the step's phases are
     timed at their boundaries and nothing else changes: the all-reduce counts in the backward phase.
@@ -228,7 +235,7 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
     for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
         place = dropout.Place(cfg.seed, state.step, position, total)
         position += len(y)
-        with gradient_sync(model, i == k - 1 and sums is None), exact.summing(sums):
+        with gradient_sync(model, env, i == k - 1 and sums is None), exact.summing(sums):
             with amp_context(cfg), dropout.placed(drops, place):
                 logits = model(x)
             if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
@@ -247,9 +254,11 @@ def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None
         loss_sums.append(loss.detach() * len(y))
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
     if sums is not None:  # summed over the workers in float64, rounded once
-        sums.gradients(model.parameters(), sum_over_workers(model))
-        if timer:
-            timer.mark("backward")
+        sums.gradients(model.parameters(), sum_over_workers(model, env))
+    else:
+        average_gradients(model, env)
+    if timer:
+        timer.mark("backward")
     norm = None
     if cfg.clip_grad_norm:
         if scaler:

@@ -117,7 +117,7 @@ class TrainState:
     def start(self, env: DistEnv) -> None:
         """Wrap the network in DataParallel (which broadcasts rank 0's weights), then give each rank back its own
         batch norm statistics if a stop's checkpoint kept them."""
-        self.model = distributed.wrap(self.model, env)
+        self.model = distributed.wrap(self.model, env, self.cfg.cpu_sums, 8 if self.exact else 4)
         distributed.set_untrained(self.model, self.untrained["model"], env)
         if self.ema:
             distributed.set_untrained(self.ema.net, self.untrained["ema"], env)

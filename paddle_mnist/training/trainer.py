@@ -331,6 +331,8 @@ def train_and_evaluate(
     if table:
         files.write_text(MODEL_SUMMARY, table)
     state.start(env)
+    if env.carrier.note:
+        log.info(env.carrier.note)
 
     val = None
     feed = Feed(env.device)

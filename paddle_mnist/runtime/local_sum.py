@@ -1,0 +1,188 @@
+"""The workers of one machine sum through shared memory: each writes its values into its own slot of one segment,
+raises its flag, waits for every other flag, and adds the slots in rank order, so every worker holds the same bits.
+
+Paddle's gloo all-reduce runs a ring over TCP in the calling thread, with two thread wake-ups a hop; here a sum is
+one copy in, a wait on the others' flags (the training thread spins, then yields, then sleeps), and one pass over
+the slots. The segment holds a line of 64 bytes a rank (its flag: the number of sums it has entered; its pid), then
+two sets of slots used in turn: a rank enters sum s + 2, which overwrites set s % 2, only after every rank raised
+its flag for s + 1, which each does only after it has read sum s. x86's stores are seen in the order they were made
+(the slot before the flag), so on other processors the workers keep to gloo (usable).
+
+Nothing is left in /dev/shm: rank 0 creates the file under a name no other job can have (O_EXCL, random), every
+rank maps it, and rank 0 removes the name before the first step; the memory lives until the last worker's mapping
+goes, however the workers end.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import time
+
+import numpy as np
+
+DIRECTORY = "/dev/shm"
+LINE = 64  # bytes: one rank's flag and pid, alone on a cache line
+SPIN_CHECKS = 20_000  # flag checks (about 1 us each) before yielding, where every worker has a core of its own
+YIELD_S = 0.002  # then os.sched_yield() for this long, then short sleeps
+SLEEP_S = 0.0002
+LIVENESS_S = 0.5  # how often a long wait looks whether the ranks it waits for still exist
+DEADLINE_S = 30.0  # as gloo's own abort: a sum that waited this long raises, naming the ranks that never came
+
+
+class SumTimeout(RuntimeError):
+    """A rank did not enter a sum in time, or exited while the others waited for it; the message names it."""
+
+
+def usable() -> str | None:
+    """Why shared memory cannot carry the sums on this machine, or None."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the processor is {platform.machine()}, whose stores may be seen out of order (x86 only)"
+    if not os.path.isdir(DIRECTORY):
+        return f"{DIRECTORY} does not exist"
+    return None
+
+
+def slot_bytes(capacity: int) -> int:
+    """A slot's size for values of capacity bytes: whole cache lines."""
+    return -(-capacity // LINE) * LINE
+
+
+def segment_bytes(world: int, capacity: int) -> int:
+    return LINE * world + 2 * world * slot_bytes(capacity)
+
+
+class LocalSum:
+    """One job's sums over the workers of this machine, through one mapped segment (see the module's docstring)."""
+
+    def __init__(self, path: str, rank: int, world: int, capacity: int, fd: int):
+        self.path, self.rank, self.world, self.capacity = path, rank, world, slot_bytes(capacity)
+        try:
+            self._map = mmap.mmap(fd, segment_bytes(world, capacity))
+        finally:
+            os.close(fd)
+        header = np.frombuffer(self._map, dtype=np.int64, count=LINE * world // 8)
+        self._flags = header[0 :: LINE // 8]  # a strided view: one int64 a rank, 64 bytes apart
+        self._pids = header[1 :: LINE // 8]
+        self._pids[rank] = os.getpid()
+        self._entered = 0
+        self._oversubscribed = world > (os.cpu_count() or 1)
+
+    @classmethod
+    def create(cls, world: int, capacity: int) -> LocalSum:
+        """Rank 0's: a new segment of its own name. OSError where /dev/shm cannot hold it or cannot be written."""
+        path = os.path.join(DIRECTORY, f"paddle_mnist-{os.getpid()}-{secrets.token_hex(8)}")
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, segment_bytes(world, capacity))  # the pages now, not a SIGBUS mid-step
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(path, 0, world, capacity, fd)
+
+    @classmethod
+    def attach(cls, path: str, rank: int, world: int, capacity: int) -> LocalSum:
+        """Another rank's: rank 0's segment, checked to be the size this job's would be."""
+        fd = os.open(path, os.O_RDWR)
+        if os.fstat(fd).st_size != segment_bytes(world, capacity):
+            os.close(fd)
+            raise OSError(f"{path} is not this job's segment (its size differs)")
+        return cls(path, rank, world, capacity, fd)
+
+    def unlink(self) -> None:
+        """Remove the segment's name (rank 0, once every rank has mapped it); the mappings stay."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self._flags = self._pids = None
+        self._map.close()
+
+    def fits(self, values: np.ndarray) -> bool:
+        return values.nbytes <= self.capacity
+
+    def _slot(self, which: int, rank: int, like: np.ndarray) -> np.ndarray:
+        offset = LINE * self.world + (which * self.world + rank) * self.capacity
+        return np.frombuffer(self._map, dtype=like.dtype, count=like.size, offset=offset).reshape(like.shape)
+
+    def _enter(self, values: np.ndarray, scale: float | None) -> int:
+        """Copy values (times scale) into this rank's slot and raise the flag; the sum's number."""
+        entered = self._entered + 1
+        mine = self._slot(entered % 2, self.rank, values)
+        if scale is None:
+            np.copyto(mine, values)
+        else:
+            np.multiply(values, values.dtype.type(scale), out=mine)
+        self._flags[self.rank] = entered  # after the slot: x86 makes the stores visible in this order
+        self._wait(entered)
+        self._entered = entered
+        return entered
+
+    def sum(self, values: np.ndarray, scale: float | None = None) -> np.ndarray:
+        """Every rank's values (each times scale, if given) added in rank order: the same bits on every rank."""
+        values = np.ascontiguousarray(values)
+        which = self._enter(values, scale) % 2
+        total = self._slot(which, 0, values).copy()
+        for r in range(1, self.world):
+            total += self._slot(which, r, values)
+        return total
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        values = np.ascontiguousarray(values)
+        which = self._enter(values, None) % 2
+        top = self._slot(which, 0, values).copy()
+        for r in range(1, self.world):
+            np.maximum(top, self._slot(which, r, values), out=top)
+        return top
+
+    def _wait(self, entered: int) -> None:
+        """Until every rank's flag reaches entered: spinning (where each worker has a core), then yielding the core,
+        then sleeping; a rank that exits meanwhile, or a wait of DEADLINE_S, raises SumTimeout naming the ranks."""
+        flags = self._flags
+        if flags.min() >= entered:
+            return
+        if not self._oversubscribed:
+            for _ in range(SPIN_CHECKS):
+                if flags.min() >= entered:
+                    return
+        began = time.monotonic()
+        looked = began
+        while flags.min() < entered:
+            now = time.monotonic()
+            if now - began < YIELD_S:
+                os.sched_yield()
+                continue
+            time.sleep(SLEEP_S)
+            if now - looked > LIVENESS_S:
+                looked = now
+                self._check(entered, now - began)
+
+    def _check(self, entered: int, waited: float) -> None:
+        late = [r for r in range(self.world) if self._flags[r] < entered]
+        gone = [r for r in late if not _exists(int(self._pids[r]))]
+        if gone:
+            ranks = ", ".join(f"rank {r} (pid {self._pids[r]})" for r in gone)
+            raise SumTimeout(f"{ranks} exited while the others waited for it in a sum over the workers")
+        if late and waited > DEADLINE_S:
+            ranks = ", ".join(f"rank {r}" for r in late)
+            raise SumTimeout(
+                f"{ranks} did not reach the sum over the workers within {DEADLINE_S:.0f} s (stopped, hung or far "
+                "slower than the others)"
+            )
+
+
+def _exists(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not yet written: the rank has not mapped the segment, so it cannot be judged
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
