@@ -17,6 +17,7 @@ from paddle_mnist.files.log import get_logger
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu, distributed, launch, waiting
 from paddle_mnist.runtime.launch import LaunchError
+from paddle_mnist.runtime.local_sum import SumTimeout
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, exit_code, signal_name
 from paddle_mnist.training import chance, engine
@@ -87,6 +88,14 @@ def _run_command(argv: list[str] | None) -> int:
     except (WriteFailed, waiting.PeerLost) as e:
         log.error(f"error: {e}")
         return _failed(log, 1, str(e))
+    except SumTimeout as e:
+        message = (
+            f"{e}; ending this worker. Rerun the same command with --resume auto to continue from the last checkpoint"
+        )
+        log.error(f"error: {message}")
+        events.stop("error", message, events.WATCHDOG, quiet=e.ranks)
+        _point_to_summary(log)
+        return 1
     except (ConfigError, data.DataError, engine.Diverged, chance.LearnedNothing, checkpoint.CheckpointError) as e:
         log.error(f"error: {e}")
         return _failed(log, 2, str(e), CAUSES.get(type(e)))

@@ -15,7 +15,9 @@ paddle.distributed.launch in these modes, one after another, the order reversed 
                with nothing of Paddle's in the meeting: what any synchronous job pays on the machine
     barrier    a one-value all-reduce after each backward pass: the cost of meeting, with nothing to carry
     allreduce  the same meeting, then one all-reduce of all gradients flattened: meeting and carrying apart
-    dataparallel  paddle.DataParallel with every gradient in one bucket, as the trainer runs gloo
+    dataparallel  paddle.DataParallel with every gradient in one bucket, as the trainer runs with --cpu-sums gloo
+    shared     paddle.DataParallel with the gradients averaged through shared memory after backward, as the trainer
+               runs by default within one machine (runtime/local_sum.py; in the all-reduce column)
     overlap    tried and not adopted: each bucket of gradients (256 KB, in backward order) all-reduced on a thread
                of its own as soon as backward has made it, while backward goes on (GradientStream below)
 
@@ -43,7 +45,7 @@ from pathlib import Path
 
 from scripts.bench_torch import PER_WORKER, REPO
 
-MODES = ("none", "pause", "lockstep", "barrier", "allreduce", "dataparallel", "overlap")
+MODES = ("none", "pause", "lockstep", "barrier", "allreduce", "dataparallel", "shared", "overlap")
 SKIP = 20  # warm-up steps left out of the medians
 PAUSE = 0.001  # s, the pause mode's idle time a step
 
@@ -60,6 +62,8 @@ def worker(args) -> None:
 
     from paddle_mnist.network import models
     from paddle_mnist.ops import onednn
+    from paddle_mnist.runtime import distributed
+    from paddle_mnist.runtime.distributed import DistEnv
     from scripts import plain_loop
 
     world = int(os.environ.get("PADDLE_TRAINERS_NUM", "1"))
@@ -76,11 +80,12 @@ def worker(args) -> None:
     opt = plain_loop.optimizer(net)
     params = [p for p in net.parameters() if not p.stop_gradient]
     model = net
-    if coupled and args.mode == "dataparallel":
-        from paddle_mnist.runtime.distributed import DistEnv, buckets
-
-        comm, last = buckets(net, DistEnv(rank, world, rank, world, "gloo", "cpu"))
-        model = paddle.DataParallel(net, comm_buffer_size=comm, last_comm_buffer_size=last)
+    dist_env = DistEnv(rank, world, rank, world, "gloo", "cpu")
+    if coupled and args.mode in ("dataparallel", "shared"):
+        sums = "shared-memory" if args.mode == "shared" else "gloo"
+        model = distributed.wrap(net, dist_env, sums)
+        if args.mode == "shared" and dist_env.carrier.local is None:
+            raise SystemExit(f"the shared mode found no shared memory: {dist_env.carrier.note}")
     stream = GradientStream(net, world) if coupled and args.mode == "overlap" else None
     meeting = Meeting(rank, world) if args.mode == "lockstep" and world > 1 else None
     if args.spin:
@@ -93,9 +98,10 @@ def worker(args) -> None:
     clock, marks = time.perf_counter, []
     for i in range(args.steps):
         t0 = clock()
-        loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
-        t1 = clock()
-        loss.backward()
+        with distributed.gradient_sync(model, dist_env, True):
+            loss = F.cross_entropy(model(xs[i % 4]), ys[i % 4])
+            t1 = clock()
+            loss.backward()
         t2 = clock()
         if coupled and args.mode in ("barrier", "allreduce"):
             dist.all_reduce(one)
@@ -114,6 +120,7 @@ def worker(args) -> None:
                 n = int(p.grad.size)
                 paddle.assign(flat[offset : offset + n].reshape(p.grad.shape), output=p.grad)
                 offset += n
+        distributed.average_gradients(model, dist_env)  # the shared mode's; nothing elsewhere
         t4 = clock()
         opt.step()
         opt.clear_grad()

@@ -238,18 +238,32 @@ def gradient_sync(model: paddle.nn.Layer, env: DistEnv, sync: bool):
 
 def average_gradients(model: paddle.nn.Layer, env: DistEnv) -> None:
     """Where shared memory carries the sums: every gradient averaged over the workers (each worker's scaled by
-    1/N, then added in rank order, as DataParallel scales before its all-reduce). Elsewhere DataParallel did it
-    in the backward pass: nothing to do."""
+    1/N, then added in rank order, as DataParallel scales before its all-reduce), in place. Elsewhere DataParallel
+    did it in the backward pass: nothing to do."""
     local = env.carrier.local
     if local is None or not isinstance(model, paddle.DataParallel):
         return
-    grads = [p.grad for p in model.parameters() if not p.stop_gradient and p.grad is not None]
     by_dtype: dict[str, list[paddle.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(str(g.dtype), []).append(g)
-    for group in by_dtype.values():
-        flat = paddle.concat([g.reshape([-1]) for g in group]).numpy()
-        _write_back(group, local.sum(flat, scale=1.0 / env.world_size))
+    for p in model.parameters():
+        if not p.stop_gradient and p.grad is not None:
+            by_dtype.setdefault(str(p.grad.dtype), []).append(p.grad)
+    for grads in by_dtype.values():
+        views = [numpy_view(g) for g in grads]
+        if all(v is not None for v in views):  # the sums land in the gradients' own memory
+            local.sum_into(views, scale=1.0 / env.world_size)
+            continue
+        flat = paddle.concat([g.reshape([-1]) for g in grads]).numpy()
+        _write_back(grads, local.sum(flat, scale=1.0 / env.world_size))
+
+
+def numpy_view(t: paddle.Tensor) -> np.ndarray | None:
+    """A writable numpy array over a CPU tensor's own memory (DLPack), or None where this Paddle and numpy do not
+    give one (numpy before 2 marks DLPack arrays read-only; Paddle 2.6's tensors have no __dlpack__)."""
+    try:
+        view = np.from_dlpack(t)
+    except (AttributeError, TypeError, RuntimeError, BufferError):
+        return None
+    return view if view.flags.writeable and view.flags.c_contiguous else None
 
 
 def _write_back(tensors: list[paddle.Tensor], flat: np.ndarray) -> None:
@@ -270,10 +284,12 @@ def sum_over_workers(model: paddle.nn.Layer, env: DistEnv) -> Callable[[paddle.T
 
 def _sum_in_place(t: paddle.Tensor, env: DistEnv) -> None:
     local = env.carrier.local
-    if local is None or t.size * t.element_size() > local.capacity:
+    if local is None or not local.fits(t.size * t.element_size()):
         dist.all_reduce(t)
-        return
-    paddle.assign(paddle.to_tensor(local.sum(t.numpy())), output=t)
+    elif (view := numpy_view(t)) is not None:
+        local.sum_into([view])
+    else:
+        paddle.assign(paddle.to_tensor(local.sum(t.numpy())), output=t)
 
 
 def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
@@ -372,7 +388,7 @@ def _all_reduce(values: np.ndarray, env: DistEnv, op) -> np.ndarray:
     if env.world_size == 1:
         return values
     local = env.carrier.local
-    if local is not None and local.fits(values):
+    if local is not None and local.fits(values.nbytes):
         return local.sum(values) if op == dist.ReduceOp.SUM else local.max(values)
     t = paddle.to_tensor(values, dtype="float64")
     dist.all_reduce(t, op=op)

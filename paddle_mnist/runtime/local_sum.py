@@ -33,7 +33,12 @@ DEADLINE_S = 30.0  # as gloo's own abort: a sum that waited this long raises, na
 
 
 class SumTimeout(RuntimeError):
-    """A rank did not enter a sum in time, or exited while the others waited for it; the message names it."""
+    """A rank did not enter a sum in time, or exited while the others waited for it; the message names it, and
+    ranks holds them."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
 
 
 def usable() -> str | None:
@@ -57,8 +62,9 @@ def segment_bytes(world: int, capacity: int) -> int:
 class LocalSum:
     """One job's sums over the workers of this machine, through one mapped segment (see the module's docstring)."""
 
-    def __init__(self, path: str, rank: int, world: int, capacity: int, fd: int):
+    def __init__(self, path: str, rank: int, world: int, capacity: int, fd: int, deadline_s: float = DEADLINE_S):
         self.path, self.rank, self.world, self.capacity = path, rank, world, slot_bytes(capacity)
+        self.deadline_s = deadline_s
         try:
             self._map = mmap.mmap(fd, segment_bytes(world, capacity))
         finally:
@@ -71,7 +77,7 @@ class LocalSum:
         self._oversubscribed = world > (os.cpu_count() or 1)
 
     @classmethod
-    def create(cls, world: int, capacity: int) -> LocalSum:
+    def create(cls, world: int, capacity: int, deadline_s: float = DEADLINE_S) -> LocalSum:
         """Rank 0's: a new segment of its own name. OSError where /dev/shm cannot hold it or cannot be written."""
         path = os.path.join(DIRECTORY, f"paddle_mnist-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -81,16 +87,16 @@ class LocalSum:
             os.close(fd)
             os.unlink(path)
             raise
-        return cls(path, 0, world, capacity, fd)
+        return cls(path, 0, world, capacity, fd, deadline_s)
 
     @classmethod
-    def attach(cls, path: str, rank: int, world: int, capacity: int) -> LocalSum:
+    def attach(cls, path: str, rank: int, world: int, capacity: int, deadline_s: float = DEADLINE_S) -> LocalSum:
         """Another rank's: rank 0's segment, checked to be the size this job's would be."""
         fd = os.open(path, os.O_RDWR)
         if os.fstat(fd).st_size != segment_bytes(world, capacity):
             os.close(fd)
             raise OSError(f"{path} is not this job's segment (its size differs)")
-        return cls(path, rank, world, capacity, fd)
+        return cls(path, rank, world, capacity, fd, deadline_s)
 
     def unlink(self) -> None:
         """Remove the segment's name (rank 0, once every rank has mapped it); the mappings stay."""
@@ -103,38 +109,51 @@ class LocalSum:
         self._flags = self._pids = None
         self._map.close()
 
-    def fits(self, values: np.ndarray) -> bool:
-        return values.nbytes <= self.capacity
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.capacity
 
-    def _slot(self, which: int, rank: int, like: np.ndarray) -> np.ndarray:
-        offset = LINE * self.world + (which * self.world + rank) * self.capacity
-        return np.frombuffer(self._map, dtype=like.dtype, count=like.size, offset=offset).reshape(like.shape)
+    def _slot(self, which: int, rank: int, like: np.ndarray, offset: int = 0) -> np.ndarray:
+        """The piece of rank's slot in set which that starts offset bytes in, shaped like like."""
+        start = LINE * self.world + (which * self.world + rank) * self.capacity + offset
+        return np.frombuffer(self._map, dtype=like.dtype, count=like.size, offset=start).reshape(like.shape)
 
-    def _enter(self, values: np.ndarray, scale: float | None) -> int:
-        """Copy values (times scale) into this rank's slot and raise the flag; the sum's number."""
+    def _enter(self, parts: list[np.ndarray], scale: float | None) -> int:
+        """Copy the parts (times scale) one after another into this rank's slot and raise the flag, then wait for
+        every rank's; the sum's number."""
         entered = self._entered + 1
-        mine = self._slot(entered % 2, self.rank, values)
-        if scale is None:
-            np.copyto(mine, values)
-        else:
-            np.multiply(values, values.dtype.type(scale), out=mine)
+        offset = 0
+        for part in parts:
+            mine = self._slot(entered % 2, self.rank, part, offset)
+            if scale is None:
+                np.copyto(mine, part)
+            else:
+                np.multiply(part, part.dtype.type(scale), out=mine)
+            offset += part.nbytes
         self._flags[self.rank] = entered  # after the slot: x86 makes the stores visible in this order
         self._wait(entered)
         self._entered = entered
         return entered
 
+    def sum_into(self, parts: list[np.ndarray], scale: float | None = None) -> None:
+        """Replace each part (contiguous arrays of one dtype, writable) by its sum over the ranks, each rank's
+        times scale if given, added in rank order: the same bits on every rank."""
+        which = self._enter(parts, scale) % 2
+        offset = 0
+        for part in parts:
+            np.copyto(part, self._slot(which, 0, part, offset))
+            for r in range(1, self.world):
+                part += self._slot(which, r, part, offset)
+            offset += part.nbytes
+
     def sum(self, values: np.ndarray, scale: float | None = None) -> np.ndarray:
-        """Every rank's values (each times scale, if given) added in rank order: the same bits on every rank."""
-        values = np.ascontiguousarray(values)
-        which = self._enter(values, scale) % 2
-        total = self._slot(which, 0, values).copy()
-        for r in range(1, self.world):
-            total += self._slot(which, r, values)
+        """A new array: values summed as sum_into sums a part."""
+        total = np.array(values, copy=True, order="C")
+        self.sum_into([total], scale)
         return total
 
     def max(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values)
-        which = self._enter(values, None) % 2
+        which = self._enter([values], None) % 2
         top = self._slot(which, 0, values).copy()
         for r in range(1, self.world):
             np.maximum(top, self._slot(which, r, values), out=top)
@@ -142,7 +161,7 @@ class LocalSum:
 
     def _wait(self, entered: int) -> None:
         """Until every rank's flag reaches entered: spinning (where each worker has a core), then yielding the core,
-        then sleeping; a rank that exits meanwhile, or a wait of DEADLINE_S, raises SumTimeout naming the ranks."""
+        then sleeping; a rank that exits meanwhile, or a wait of deadline_s, raises SumTimeout naming the ranks."""
         flags = self._flags
         if flags.min() >= entered:
             return
@@ -167,18 +186,25 @@ class LocalSum:
         gone = [r for r in late if not _exists(int(self._pids[r]))]
         if gone:
             ranks = ", ".join(f"rank {r} (pid {self._pids[r]})" for r in gone)
-            raise SumTimeout(f"{ranks} exited while the others waited for it in a sum over the workers")
-        if late and waited > DEADLINE_S:
+            raise SumTimeout(f"{ranks} exited while the others waited for it in a sum over the workers", gone)
+        if late and waited > self.deadline_s:
             ranks = ", ".join(f"rank {r}" for r in late)
             raise SumTimeout(
-                f"{ranks} did not reach the sum over the workers within {DEADLINE_S:.0f} s (stopped, hung or far "
-                "slower than the others)"
+                f"{ranks} did not reach the sum over the workers within {self.deadline_s:.0f} s (stopped, hung or far "
+                "slower than the others)",
+                late,
             )
 
 
 def _exists(pid: int) -> bool:
+    """Whether the process runs (or is stopped): not gone, and not a zombie its parent has yet to reap."""
     if pid <= 0:
         return True  # not yet written: the rank has not mapped the segment, so it cannot be judged
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
