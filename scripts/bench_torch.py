@@ -16,7 +16,10 @@ turns in fresh processes, round after round, the order reversed every other roun
 machine falls on all of them:
 
     trainer   python train.py as a user runs it (under paddle.distributed.launch for 2 workers or more), with
-              --timing-every 0 and --no-augment (PyTorch does neither), its rate read from its log lines
+              --timing-every 0 and --no-augment (PyTorch does neither), its rate read from its log lines; its
+              workers sum through shared memory (runtime/local_sum.py)
+    trainer-gloo  the same with --cpu-sums gloo: Paddle's gloo all-reduce carries the sums (cells of 2 workers
+              or more)
     alone     the limit without a collective: as many single-process trainers as the cell has workers, each with
               the cell's threads and 64 images a step, started together; their rates summed (cells of 2 workers
               or more). trainer/alone is the job's efficiency; trainer/slowest compares it with the workers' count
@@ -67,9 +70,9 @@ MODELS = {  # --models by --dataset
     "fashion-mnist": "mnist_cnn,mnist_cnn_bn_fc,minigooglenet",
     "folder": "cifar_cnn,mnist_cnn_bn_fc,minigooglenet",
 }
-CONTENDERS = ("trainer", "alone", "torch", "torch-cl")
+CONTENDERS = ("trainer", "trainer-gloo", "alone", "torch", "torch-cl")
 TORCH_NAMES = {"torch": "torch", "torch-cl": "torch channels_last"}
-NAMES = {"alone": "independent trainers (sum)", **TORCH_NAMES}
+NAMES = {"alone": "independent trainers (sum)", "trainer-gloo": "the trainer over gloo", **TORCH_NAMES}
 
 
 def processor() -> str:
@@ -279,15 +282,23 @@ def trainer_args(model: str, threads: int, plan: tuple[int, int], data: list[str
 
 
 def run_trainer(
-    model: str, workers: int, threads: int, plan: tuple[int, int], data: list[str], work: Path, env: dict
+    model: str,
+    workers: int,
+    threads: int,
+    plan: tuple[int, int],
+    data: list[str],
+    work: Path,
+    env: dict,
+    extra: tuple[str, ...] = (),
 ) -> list[float]:
+    """extra: flags after the rest (trainer-gloo's --cpu-sums gloo)."""
     steps, window = plan
     out, log_dir = work / "trainer", work / "trainer-log"
     shutil.rmtree(log_dir, ignore_errors=True)  # the launcher appends to an existing workerlog.N
     launch = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", str(workers)]
     launch += ["--log_dir", str(log_dir)]
     cmd = (launch if workers > 1 else [sys.executable]) + trainer_args(model, threads, plan, data, out)
-    cmd += ["--batch-size", str(PER_WORKER * workers)]  # as PyTorch's; cifar_fast's recipe would take 256
+    cmd += ["--batch-size", str(PER_WORKER * workers), *extra]  # as PyTorch's; cifar_fast's recipe would take 256
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     log = (log_dir / "workerlog.0").read_text() if workers > 1 else proc.stdout
     if proc.returncode != 0:
@@ -444,12 +455,13 @@ def main() -> int:
             plan = (args.steps, args.window) if args.steps else STEPS[model]
             for workers, threads in cells:
                 # one worker's limit is the trainer itself: independent trainers are timed from 2 workers up
-                names = [n for n in contenders if n != "alone" or workers > 1]
+                names = [n for n in contenders if n not in ("alone", "trainer-gloo") or workers > 1]
                 got, each = {name: [] for name in names}, []
                 for r in range(args.rounds):
                     for name in names if r % 2 == 0 else names[::-1]:
-                        if name == "trainer":
-                            rates = run_trainer(model, workers, threads, plan, data, work, env)
+                        if name in ("trainer", "trainer-gloo"):
+                            extra = ("--cpu-sums", "gloo") if name == "trainer-gloo" else ()
+                            rates = run_trainer(model, workers, threads, plan, data, work, env, extra)
                         elif name == "alone":
                             each.append(run_alone(model, workers, threads, plan, data, work, env))
                             rates = [sum(each[-1])]

@@ -31,6 +31,7 @@ the meeting's own latency. --json keeps every round's figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import queue
@@ -90,6 +91,10 @@ def worker(args) -> None:
     meeting = Meeting(rank, world) if args.mode == "lockstep" and world > 1 else None
     if args.spin:
         start_idle_spinner()
+    if args.pin:  # every thread of this rank, Paddle's included, on one core of its own
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank % len(os.sched_getaffinity(0))]})
+    if args.manual_gc:  # Python's collector only between steps, on the same steps on every rank
+        gc.disable()
     if args.nice:  # this thread only: Paddle's transport threads and the overlap's thread, started above, keep 0
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.nice)
     xs = [paddle.randn([PER_WORKER, *shape]) for _ in range(4)]
@@ -124,6 +129,8 @@ def worker(args) -> None:
         t4 = clock()
         opt.step()
         opt.clear_grad()
+        if args.manual_gc and i % args.manual_gc == 0:
+            gc.collect()
         marks.append((t0, t1, t2, t3, t4, clock()))
     Path(args.out, f"{rank}.json").write_text(json.dumps(marks))
 
@@ -275,6 +282,7 @@ def run_mode(mode: str, args, work: Path, env: dict) -> dict:
     launch += ["--log_dir", str(work / f"log-{mode}")]
     cmd = launch + [str(Path(__file__).resolve()), "worker", "--mode", mode, "--model", args.model]
     cmd += ["--steps", str(args.steps), "--out", str(out), "--nice", str(args.nice)] + ["--spin"] * args.spin
+    cmd += ["--pin"] * args.pin + ["--manual-gc", str(args.manual_gc)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
     files = sorted(out.glob("*.json"), key=lambda f: int(f.stem))
     if proc.returncode != 0 or len(files) != args.workers:
@@ -295,6 +303,8 @@ def main() -> int:
     w.add_argument("--out", required=True)
     w.add_argument("--nice", type=int, default=0)
     w.add_argument("--spin", action="store_true")
+    w.add_argument("--pin", action="store_true")
+    w.add_argument("--manual-gc", type=int, default=0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--model", default="mnist_cnn_bn_fc", help="a name of paddle_mnist.network.models.MODELS")
     p.add_argument("--steps", type=int, default=300, help=f"steps a run (the first {SKIP} not counted)")
@@ -314,6 +324,16 @@ def main() -> int:
         help="every rank keeps its core busy while it waits: a thread of the lowest priority (SCHED_IDLE) spinning "
         "without the GIL, so the core never idles (Linux)",
     )
+    p.add_argument(
+        "--pin", action="store_true", help="each rank's threads on one core of their own (rank modulo cores)"
+    )
+    p.add_argument(
+        "--manual-gc",
+        type=int,
+        default=0,
+        metavar="N",
+        help="Python's garbage collector off, and run by hand every N steps, the same on every rank (0: as usual)",
+    )
     args = p.parse_args()
     if args.command == "worker":
         worker(args)
@@ -330,6 +350,8 @@ def main() -> int:
                 results[mode].append(run_mode(mode, args, Path(tmp), env))
     setting = f", training thread at nice {args.nice}" if args.nice else ""
     setting += ", a spinning thread a rank" if args.spin else ""
+    setting += ", pinned to a core each" if args.pin else ""
+    setting += f", garbage collected by hand every {args.manual_gc} steps" if args.manual_gc else ""
     print(f"{args.model}, {args.workers} worker(s) x 1 thread{setting}, {PER_WORKER} images a worker a step, ", end="")
     print(f"{args.steps} steps")
     print(f"a run, {args.rounds} round(s); ms: median over ranks, steps and rounds; images/s: median of rounds")
@@ -345,7 +367,8 @@ def main() -> int:
         own = [round(x) for r in results["none"] for x in r["rank_rates"]]
         print(f"none, each process's own images/s: {min(own)} to {max(own)} (all rounds)")
     if args.json:
-        kept = {"workers": args.workers, "model": args.model, "nice": args.nice, "spin": args.spin}
+        kept = {"workers": args.workers, "model": args.model, "nice": args.nice, "spin": args.spin, "pin": args.pin}
+        kept["manual_gc"] = args.manual_gc
         kept["results"] = results
         args.json.write_text(json.dumps(kept) + "\n")
     return 0

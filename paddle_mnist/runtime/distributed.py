@@ -260,7 +260,7 @@ def numpy_view(t: paddle.Tensor) -> np.ndarray | None:
     """A writable numpy array over a CPU tensor's own memory (DLPack), or None where this Paddle and numpy do not
     give one (numpy before 2 marks DLPack arrays read-only; Paddle 2.6's tensors have no __dlpack__)."""
     try:
-        view = np.from_dlpack(t)
+        view = np.from_dlpack(t.detach())  # the same memory; DLPack refuses a tensor that requires gradients
     except (AttributeError, TypeError, RuntimeError, BufferError):
         return None
     return view if view.flags.writeable and view.flags.c_contiguous else None
