@@ -424,14 +424,8 @@ def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
         "saying why (the same build holds the 2x2 max-pool it uses with them); onednn requires it; paddle never "
         "builds it. The weights and the exported model are the same",
     )
-    p.add_argument(
-        "--cpu-sums",
-        default=d.cpu_sums,
-        choices=("shared-memory", "gloo"),
-        help="what carries the CPU workers' sums (gradients, losses, meetings) when every worker is on this machine: "
-        "shared memory, added in rank order (falls back to gloo, saying why, where it cannot be set up), or "
-        "Paddle's gloo all-reduce; between machines it is always gloo",
-    )
+    sums = "CPU workers' sums in one machine: shared-memory (gloo, saying why, where it cannot be set up) or gloo"
+    p.add_argument("--cpu-sums", default=d.cpu_sums, choices=("shared-memory", "gloo"), help=sums)
     _add_count(
         p,
         "--timing-every",

@@ -29,15 +29,6 @@ from paddle_mnist.runtime.launch import (
 )
 
 
-class Carrier:
-    """What carries a process's sums over the workers: shared memory (local_sum.LocalSum) once wrap() opened it
-    on a CPU job within one machine, else Paddle's collectives; `note` says which, for the start-up line."""
-
-    def __init__(self) -> None:
-        self.local: local_sum.LocalSum | None = None
-        self.note = ""
-
-
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
@@ -46,7 +37,7 @@ class DistEnv:
     local_size: int
     backend: str  # "gloo", "nccl" or "none" for one process
     device: str  # "cpu" or "gpu:N"
-    carrier: Carrier = field(default_factory=Carrier, compare=False, repr=False)
+    carrier: local_sum.Carrier = field(default_factory=local_sum.Carrier, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -178,54 +169,12 @@ SMALL_SUM_BYTES = 64 * 1024  # the least a slot holds: the step's and epoch's sm
 
 
 def open_local_sum(env: DistEnv, cpu_sums: str, capacity: int) -> None:
-    """Give env's carrier a shared-memory sum where every worker of the job is on this machine and it can be set
-    up on every rank, else leave the sums to gloo; either way env.carrier.note says which and why. Every rank
-    must call it: rank 0 creates the segment, the others map it, then rank 0 removes its name."""
-    carrier = env.carrier
-    problem = local_sum.usable()
-    if cpu_sums != "shared-memory":
-        carrier.note = "sums over the workers: gloo (--cpu-sums gloo)"
-        return
-    if env.local_size < env.world_size:
-        carrier.note = (
-            f"sums over the workers: gloo, since the job spans machines ({env.local_size} of its {env.world_size} "
-            "workers here); shared memory carries them only within one machine"
-        )
-        return
-    if problem:  # the same machine for every rank: the same answer
-        carrier.note = f"sums over the workers: gloo, since shared memory cannot carry them here: {problem}"
-        return
-    size = local_sum.segment_bytes(env.world_size, capacity)
-    mine: local_sum.LocalSum | None = None
-    path = ""
-    if env.rank == 0:
-        try:
-            mine = local_sum.LocalSum.create(env.world_size, capacity)
-            path = mine.path
-        except OSError as e:
-            problem = (
-                f"{local_sum.DIRECTORY} could not take {size / 2**20:.1f} MiB ({e.strerror or e}); give it that much "
-                "free space, writable (docker: --shm-size), to carry them there"
-            )
-    path, problem = gather_objects((path, problem), env)[0]
-    if env.rank != 0 and not problem:
-        try:
-            mine = local_sum.LocalSum.attach(path, env.rank, env.world_size, capacity)
-        except OSError as e:
-            problem = f"rank {env.rank} could not map {path} ({e.strerror or e})"
-    problems = [p for p in gather_objects(problem, env) if p]
-    if mine is not None and env.rank == 0:
-        mine.unlink()  # every rank has mapped it or given up: nothing is left behind, however the job ends
-    if problems:
-        if mine is not None:
-            mine.close()
-        carrier.note = f"sums over the workers: gloo, since shared memory could not be set up: {problems[0]}"
-        return
-    carrier.local = mine
-    carrier.note = (
-        f"sums over the workers: shared memory ({size / 2**20:.1f} MiB, {env.world_size} workers on this machine), "
-        "added in rank order"
-    )
+    """local_sum.open_on for this job: every rank must call it (it gathers over gloo)."""
+    local_sum.open_on(env.carrier, env.rank, env.world_size, env.local_size, cpu_sums, capacity, _gather(env))
+
+
+def _gather(env: DistEnv) -> Callable[[object], list]:
+    return lambda obj: gather_objects(obj, env)
 
 
 def gradient_sync(model: paddle.nn.Layer, env: DistEnv, sync: bool):
@@ -237,41 +186,12 @@ def gradient_sync(model: paddle.nn.Layer, env: DistEnv, sync: bool):
 
 
 def average_gradients(model: paddle.nn.Layer, env: DistEnv) -> None:
-    """Where shared memory carries the sums: every gradient averaged over the workers (each worker's scaled by
-    1/N, then added in rank order, as DataParallel scales before its all-reduce), in place. Elsewhere DataParallel
-    did it in the backward pass: nothing to do."""
-    local = env.carrier.local
-    if local is None or not isinstance(model, paddle.DataParallel):
+    """Where shared memory carries the sums: every gradient averaged over the workers in place
+    (local_sum.average). Elsewhere DataParallel did it in the backward pass: nothing to do."""
+    if env.carrier.local is None or not isinstance(model, paddle.DataParallel):
         return
-    by_dtype: dict[str, list[paddle.Tensor]] = {}
-    for p in model.parameters():
-        if not p.stop_gradient and p.grad is not None:
-            by_dtype.setdefault(str(p.grad.dtype), []).append(p.grad)
-    for grads in by_dtype.values():
-        views = [numpy_view(g) for g in grads]
-        if all(v is not None for v in views):  # the sums land in the gradients' own memory
-            local.sum_into(views, scale=1.0 / env.world_size)
-            continue
-        flat = paddle.concat([g.reshape([-1]) for g in grads]).numpy()
-        _write_back(grads, local.sum(flat, scale=1.0 / env.world_size))
-
-
-def numpy_view(t: paddle.Tensor) -> np.ndarray | None:
-    """A writable numpy array over a CPU tensor's own memory (DLPack), or None where this Paddle and numpy do not
-    give one (numpy before 2 marks DLPack arrays read-only; Paddle 2.6's tensors have no __dlpack__)."""
-    try:
-        view = np.from_dlpack(t.detach())  # the same memory; DLPack refuses a tensor that requires gradients
-    except (AttributeError, TypeError, RuntimeError, BufferError):
-        return None
-    return view if view.flags.writeable and view.flags.c_contiguous else None
-
-
-def _write_back(tensors: list[paddle.Tensor], flat: np.ndarray) -> None:
-    offset = 0
-    for t in tensors:
-        n = int(t.size)
-        paddle.assign(paddle.to_tensor(flat[offset : offset + n].reshape(t.shape)), output=t)
-        offset += n
+    grads = [p.grad for p in model.parameters() if not p.stop_gradient and p.grad is not None]
+    local_sum.average(env.carrier.local, grads, env.world_size)
 
 
 def sum_over_workers(model: paddle.nn.Layer, env: DistEnv) -> Callable[[paddle.Tensor], None]:
@@ -286,7 +206,7 @@ def _sum_in_place(t: paddle.Tensor, env: DistEnv) -> None:
     local = env.carrier.local
     if local is None or not local.fits(t.size * t.element_size()):
         dist.all_reduce(t)
-    elif (view := numpy_view(t)) is not None:
+    elif (view := local_sum.numpy_view(t)) is not None:
         local.sum_into([view])
     else:
         paddle.assign(paddle.to_tensor(local.sum(t.numpy())), output=t)
@@ -369,7 +289,7 @@ def _average_in_place(tensors: list[paddle.Tensor], env: DistEnv) -> None:
     flat = paddle.concat([t.reshape([-1]) for t in tensors])
     flat.scale_(1.0 / env.world_size)
     _sum_in_place(flat, env)
-    _write_back(tensors, flat.numpy())
+    local_sum.write_back(tensors, flat.numpy())
 
 
 def device_sync(env: DistEnv):

@@ -20,8 +20,10 @@ import os
 import platform
 import secrets
 import time
+from collections.abc import Callable
 
 import numpy as np
+import paddle
 
 DIRECTORY = "/dev/shm"
 LINE = 64  # bytes: one rank's flag and pid, alone on a cache line
@@ -30,6 +32,15 @@ YIELD_S = 0.002  # then os.sched_yield() for this long, then short sleeps
 SLEEP_S = 0.0002
 LIVENESS_S = 0.5  # how often a long wait looks whether the ranks it waits for still exist
 DEADLINE_S = 30.0  # as gloo's own abort: a sum that waited this long raises, naming the ranks that never came
+
+
+class Carrier:
+    """What carries a process's sums over the workers: shared memory (a LocalSum) once distributed.wrap() opened it
+    on a CPU job within one machine, else Paddle's collectives; `note` says which, for the start-up line."""
+
+    def __init__(self) -> None:
+        self.local: LocalSum | None = None
+        self.note = ""
 
 
 class SumTimeout(RuntimeError):
@@ -212,3 +223,89 @@ def _exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def open_on(
+    carrier: Carrier, rank: int, world: int, local_size: int, cpu_sums: str, capacity: int, gather: Callable
+) -> None:
+    """Give carrier a shared-memory sum where every worker of the job is on this machine and it can be set up on
+    every rank, else leave the sums to gloo; either way carrier.note says which and why. Every rank must call it
+    (gather(obj): every rank's obj, in rank order): rank 0 creates the segment, the others map it, then rank 0
+    removes its name."""
+    problem = usable()
+    if cpu_sums != "shared-memory":
+        carrier.note = "sums over the workers: gloo (--cpu-sums gloo)"
+        return
+    if local_size < world:
+        carrier.note = (
+            f"sums over the workers: gloo, since the job spans machines ({local_size} of its {world} "
+            "workers here); shared memory carries them only within one machine"
+        )
+        return
+    if problem:  # the same machine for every rank: the same answer
+        carrier.note = f"sums over the workers: gloo, since shared memory cannot carry them here: {problem}"
+        return
+    size = segment_bytes(world, capacity)
+    mine: LocalSum | None = None
+    path = ""
+    if rank == 0:
+        try:
+            mine = LocalSum.create(world, capacity)
+            path = mine.path
+        except OSError as e:
+            problem = (
+                f"{DIRECTORY} could not take {size / 2**20:.1f} MiB ({e.strerror or e}); give it that much "
+                "free space, writable (docker: --shm-size), to carry them there"
+            )
+    path, problem = gather((path, problem))[0]
+    if rank != 0 and not problem:
+        try:
+            mine = LocalSum.attach(path, rank, world, capacity)
+        except OSError as e:
+            problem = f"rank {rank} could not map {path} ({e.strerror or e})"
+    problems = [p for p in gather(problem) if p]
+    if mine is not None and rank == 0:
+        mine.unlink()  # every rank has mapped it or given up: nothing is left behind, however the job ends
+    if problems:
+        if mine is not None:
+            mine.close()
+        carrier.note = f"sums over the workers: gloo, since shared memory could not be set up: {problems[0]}"
+        return
+    carrier.local = mine
+    carrier.note = (
+        f"sums over the workers: shared memory ({size / 2**20:.1f} MiB, {world} workers on this machine), "
+        "added in rank order"
+    )
+
+
+def average(local: LocalSum, grads: list, world: int) -> None:
+    """Every gradient averaged over the workers in place: each worker's scaled by 1/N, then added in rank order,
+    as DataParallel scales before its all-reduce."""
+    by_dtype: dict[str, list[paddle.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(str(g.dtype), []).append(g)
+    for group in by_dtype.values():
+        views = [numpy_view(g) for g in group]
+        if all(v is not None for v in views):  # the sums land in the gradients' own memory
+            local.sum_into(views, scale=1.0 / world)
+            continue
+        flat = paddle.concat([g.reshape([-1]) for g in group]).numpy()
+        write_back(group, local.sum(flat, scale=1.0 / world))
+
+
+def numpy_view(t: paddle.Tensor) -> np.ndarray | None:
+    """A writable numpy array over a CPU tensor's own memory (DLPack), or None where this Paddle and numpy do not
+    give one (numpy before 2 marks DLPack arrays read-only; Paddle 2.6's tensors have no __dlpack__)."""
+    try:
+        view = np.from_dlpack(t.detach())  # the same memory; DLPack refuses a tensor that requires gradients
+    except (AttributeError, TypeError, RuntimeError, BufferError):
+        return None
+    return view if view.flags.writeable and view.flags.c_contiguous else None
+
+
+def write_back(tensors: list[paddle.Tensor], flat: np.ndarray) -> None:
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        paddle.assign(paddle.to_tensor(flat[offset : offset + n].reshape(t.shape)), output=t)
+        offset += n
