@@ -93,7 +93,10 @@ def _run_command(argv: list[str] | None) -> int:
             f"{e}; ending this worker. Rerun the same command with --resume auto to continue from the last checkpoint"
         )
         log.error(f"error: {message}")
-        events.stop("error", message, events.WATCHDOG, quiet=e.ranks)
+        if e.gone:  # the echo of that rank's end: the reader looks at its log first
+            events.stop("error", message, events.PEER_GONE)
+        else:
+            events.stop("error", message, events.WATCHDOG, quiet=e.ranks)
         _point_to_summary(log)
         return 1
     except (ConfigError, data.DataError, engine.Diverged, chance.LearnedNothing, checkpoint.CheckpointError) as e:

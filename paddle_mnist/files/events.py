@@ -32,6 +32,7 @@ WORKERLOG = re.compile(r"^workerlog\.(\d+)$")
 DIVERGED, LEARNED_NOTHING, WATCHDOG = "diverged", "learned_nothing", "watchdog"
 SIGNAL, SIGNAL_ECHO = "signal", "signal_echo"  # this rank took the stop signal; another rank did
 LAUNCHER_GONE = "launcher_gone"  # an event of its own, before the stop its SIGTERM brings
+PEER_GONE = "peer_gone"  # another rank's process ended while this one waited for it in a sum (runtime/local_sum)
 
 # One event log a process, like its logger: the writers (cli, the watchdog, the stop signals, the engine, the
 # checkpoint writer) each record their own fact without a handle passed through every call between them.

@@ -161,6 +161,15 @@ CONNECTION = Failure(
     "check that every node reaches --master and the workers' ports (firewall) and that all run the same command",
     echo=True,
 )
+PEER_GONE = Failure(
+    "peer exited",
+    "another worker's process ended while this one waited for it in a sum over the workers",
+    None,
+    "read the log of the rank this line names: it ended first, and its log or the launcher's says how",
+    echo=True,
+    told=events.PEER_GONE,
+    prose=_any(r"exited while the others waited for it in a sum"),
+)
 SIGNALLED = Failure(
     "signal",
     "stopped by SIGTERM or SIGINT: a user, the scheduler (preemption, a time limit) or the launcher ended the job",
@@ -194,7 +203,7 @@ SIGNAL_ECHO = Failure(
 # The failures in the order they are tried, the first that matches naming the cause. SHARED_MEMORY (a bus error)
 # comes before WATCHDOG: a worker whose signal handler hung after the bus error (see cli.py) can be ended later by
 # its own watchdog, and the bus error is the cause.
-KNOWN = (DIVERGED, LEARNED_NOTHING, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION)
+KNOWN = (DIVERGED, LEARNED_NOTHING, SHARED_MEMORY, WATCHDOG, PORT, OUT_OF_MEMORY, NCCL, CONNECTION, PEER_GONE)
 KNOWN += (LAUNCHER_GONE, SIGNAL_ECHO, SIGNALLED)
 KILLED = Failure(
     "killed",

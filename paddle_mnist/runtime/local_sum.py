@@ -44,12 +44,12 @@ class Carrier:
 
 
 class SumTimeout(RuntimeError):
-    """A rank did not enter a sum in time, or exited while the others waited for it; the message names it, and
-    ranks holds them."""
+    """A rank did not enter a sum in time, or exited while the others waited for it (gone); the message names it,
+    and ranks holds them."""
 
-    def __init__(self, message: str, ranks: list[int]):
+    def __init__(self, message: str, ranks: list[int], gone: bool = False):
         super().__init__(message)
-        self.ranks = ranks
+        self.ranks, self.gone = ranks, gone
 
 
 def usable() -> str | None:
@@ -197,7 +197,7 @@ class LocalSum:
         gone = [r for r in late if not _exists(int(self._pids[r]))]
         if gone:
             ranks = ", ".join(f"rank {r} (pid {self._pids[r]})" for r in gone)
-            raise SumTimeout(f"{ranks} exited while the others waited for it in a sum over the workers", gone)
+            raise SumTimeout(f"{ranks} exited while the others waited for it in a sum over the workers", gone, True)
         if late and waited > self.deadline_s:
             ranks = ", ".join(f"rank {r}" for r in late)
             raise SumTimeout(
