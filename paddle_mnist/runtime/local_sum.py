@@ -85,7 +85,7 @@ class LocalSum:
         self._pids = header[1 :: LINE // 8]
         self._pids[rank] = os.getpid()
         self._entered = 0
-        self._oversubscribed = world > (os.cpu_count() or 1)
+        self._oversubscribed = world > len(os.sched_getaffinity(0))  # the cores this process may run on
 
     @classmethod
     def create(cls, world: int, capacity: int, deadline_s: float = DEADLINE_S) -> LocalSum:
