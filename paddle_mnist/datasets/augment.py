@@ -125,17 +125,21 @@ def batch_rng(seed: int, epoch: int, batch: int) -> np.random.Generator:
 
 
 def shift_and_flip(
-    images: np.ndarray, policy: Augment, rng: np.random.Generator, position: int = 0, total: int | None = None
+    images: np.ndarray,
+    policy: Augment,
+    rng: np.random.Generator,
+    position: int | np.ndarray = 0,
+    total: int | None = None,
 ) -> np.ndarray:
     """uint8 (N, C, H, W) -> a new uint8 batch of the same shape, each image shifted and maybe flipped.
 
-    images are places position .. position + N - 1 of a global batch of `total` images (N when None): the
-    draws are made for all `total` and this share takes its own, so a worker's images get the shifts and flips
-    one process training the whole global batch would give them.
+    images are places position .. position + N - 1 of a global batch of `total` images (N when None), or the
+    places in the array `position`: the draws are made for all `total` and this share takes its own, so a worker's
+    images get the shifts and flips one process training the whole global batch would give them.
     """
     n, _, h, w = images.shape
     total = n if total is None else total
-    share = slice(position, position + n)
+    share = slice(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
     out = images
     if policy.pad:
         p = policy.pad

@@ -202,6 +202,15 @@ def eval_shard(n: int, rank: int, world_size: int) -> range:
     return range(start, start + base + (rank < extra))
 
 
+def worker_places(per_worker: int, rank: int, world_size: int, accum: int = 1) -> np.ndarray:
+    """The places in a global batch of a worker's share, in the order it trains them: for each of the accum
+    micro-batches, its slice of that global micro-batch (every worker's micro-batch i together are places
+    i * M .. i * M + M - 1, M the global micro-batch), so that batch norm over the global batch normalises the
+    micro-batches one process with the same --accum-steps would. Without accumulation: rank * n .. rank * n + n - 1."""
+    m = per_worker // accum
+    return np.concatenate([i * m * world_size + rank * m + np.arange(m) for i in range(accum)])
+
+
 @dataclass(frozen=True)
 class AugmentPlan:
     """What batches() needs to draw one batch's augmentation: the policy and the batch's coordinates."""
@@ -209,8 +218,9 @@ class AugmentPlan:
     policy: augment.Augment
     seed: int
     epoch: int
-    rank: int  # this worker's share of each global batch is places rank * n .. rank * n + n - 1 of it
+    rank: int  # this worker's share of each global batch: worker_places(n, rank, world_size, accum)
     world_size: int
+    accum: int = 1
 
 
 def batches(
@@ -223,7 +233,8 @@ def batches(
         if plan is not None:
             rng = augment.batch_rng(plan.seed, plan.epoch, k)
             n = len(idx)
-            images = augment.shift_and_flip(images, plan.policy, rng, plan.rank * n, plan.world_size * n)
+            places = worker_places(n, plan.rank, plan.world_size, plan.accum)
+            images = augment.shift_and_flip(images, plan.policy, rng, places, plan.world_size * n)
         yield normalise(images, ds.mean, ds.std), split.labels[idx]
 
 
@@ -275,17 +286,31 @@ class TrainBatches:
     def __init__(self, split: Split, ds: Dataset, per_worker: int, rank: int, world_size: int, cfg):
         self.split, self.ds, self.rank, self.world_size = split, ds, rank, world_size
         self.sampler = make_sampler(len(split), per_worker, rank, world_size)
+        self.accum = cfg.accum_steps
+        # with micro-batches on several workers, each worker's share of a global batch is worker_places of it,
+        # picked from the global batch, which every rank's sampler gives a part of
+        spread = self.accum > 1 and world_size > 1
+        self.samplers = [make_sampler(len(split), per_worker, r, world_size) for r in range(world_size)] if spread else []
+        self.places = worker_places(per_worker, rank, world_size, self.accum)
         self.seed = cfg.seed
         self.policy = augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip) if cfg.augment else None
 
     def __len__(self) -> int:
         return len(self.sampler)  # batches per epoch
 
+    def _shares(self, epoch: int) -> Iterator:
+        """This worker's index batches of the epoch."""
+        self.sampler.set_epoch(sampler_epoch(self.seed, epoch))
+        if not self.samplers:
+            return iter(self.sampler)
+        for sampler in self.samplers:
+            sampler.set_epoch(sampler_epoch(self.seed, epoch))
+        return (np.concatenate(parts)[self.places] for parts in zip(*self.samplers))
+
     def epoch(self, epoch: int, first: int, count: int, stage=None) -> Batches:
         """stage: a last step for each batch in the background thread (transfer.Feed.host), or None."""
-        self.sampler.set_epoch(sampler_epoch(self.seed, epoch))
-        plan = AugmentPlan(self.policy, self.seed, epoch, self.rank, self.world_size) if self.policy else None
-        indices = itertools.islice(self.sampler, first, first + count)
+        plan = AugmentPlan(self.policy, self.seed, epoch, self.rank, self.world_size, self.accum) if self.policy else None
+        indices = itertools.islice(self._shares(epoch), first, first + count)
         return Batches(first, count, prefetch(batches(self.split, self.ds, indices, plan, first=first), stage=stage))
 
 

@@ -15,7 +15,8 @@ trainer all-reduces the collected sums over the workers in float64 and rounds ea
 rounded float32 only where the sum falls that close to a float32 rounding boundary.
 
     summing(sums)       inside, the layers below add their float64 gradients to sums
-    active()            whether a Sums collects now
+    active()            whether a Sums collects now, in a pass with gradients; collecting(): inside summing
+    hand_over(p, g)     a layer's float64 gradient g of parameter p to the Sums (batchnorm.py's too)
     conv2d, linear, add_channel_bias
                         what models.Conv2D and models.Linear call: fastpath.conv2d, F.linear and the bias add,
                         and while a Sums collects, the same outputs with gradients handed over in float64
@@ -81,7 +82,12 @@ def active() -> bool:
     return _sums is not None and paddle.in_dynamic_mode() and paddle.is_grad_enabled()
 
 
-def _hand_over(param: paddle.Tensor, grad: paddle.Tensor) -> paddle.Tensor | None:
+def collecting() -> bool:
+    """Whether a Sums collects the layers' float64 gradients now (inside summing)."""
+    return _sums is not None
+
+
+def hand_over(param: paddle.Tensor, grad: paddle.Tensor) -> paddle.Tensor | None:
     """The float64 gradient to the step's Sums; its float32 rounding to autograd (Sums.gradients replaces it)."""
     if param.stop_gradient:
         return None
@@ -99,6 +105,14 @@ def _channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
     return (x.reshape([0, c, h * w]) + bias.reshape([c, 1])).reshape([0, c, h, w])
 
 
+def _dense_backward(ctx, grad_out) -> tuple:
+    """(the input's gradient, the weights', the float64 output gradient) of x @ weight, the weights' handed over."""
+    (x,), weight = ctx.saved_tensor(), ctx.weight
+    g = _wide(grad_out)
+    grad_x = None if x.stop_gradient else paddle.matmul(g, _wide(weight), transpose_y=True).astype("float32")
+    return grad_x, hand_over(weight, paddle.matmul(_wide(x), g, transpose_x=True)), g
+
+
 class _Linear(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -108,11 +122,21 @@ class _Linear(PyLayer):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x,), weight = ctx.saved_tensor(), ctx.weight
-        g = _wide(grad_out)
-        grad_x = None if x.stop_gradient else paddle.matmul(g, _wide(weight), transpose_y=True).astype("float32")
-        grad_w = _hand_over(weight, paddle.matmul(_wide(x), g, transpose_x=True))
-        return grad_x, grad_w, _hand_over(ctx.bias, g.sum(axis=0))
+        grad_x, grad_w, g = _dense_backward(ctx, grad_out)
+        return grad_x, grad_w, hand_over(ctx.bias, g.sum(axis=0))
+
+
+class _LinearNoBias(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x)
+        ctx.weight = weight
+        return paddle.matmul(_wide(x), _wide(weight)).astype("float32")
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x, grad_w, _ = _dense_backward(ctx, grad_out)
+        return grad_x, grad_w
 
 
 class _ChannelBias(PyLayer):
@@ -123,7 +147,7 @@ class _ChannelBias(PyLayer):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out, _hand_over(ctx.bias, _wide(grad_out).sum(axis=[0, 2, 3]))
+        return grad_out, hand_over(ctx.bias, _wide(grad_out).sum(axis=[0, 2, 3]))
 
 
 class _Conv2D(PyLayer):
@@ -137,7 +161,7 @@ class _Conv2D(PyLayer):
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensor(), ctx.weight
         grad_x, grad_w = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
-        return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w)
+        return (None if x.stop_gradient else grad_x), hand_over(weight, grad_w)
 
 
 class _Conv2DBias(PyLayer):
@@ -151,15 +175,15 @@ class _Conv2DBias(PyLayer):
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensor(), ctx.weight
         grad_x, grad_w, grad_b = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=True)
-        return (None if x.stop_gradient else grad_x), _hand_over(weight, grad_w), _hand_over(ctx.bias, grad_b)
+        return (None if x.stop_gradient else grad_x), hand_over(weight, grad_w), hand_over(ctx.bias, grad_b)
 
 
 @paddle.jit.not_to_static
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
     """F.linear(x, weight, bias); while a Sums collects, multiplied in float64 and rounded once (each row's result
     the same bits whatever the rows around it), the gradients handed over in float64."""
-    if active() and bias is not None:
-        return _Linear.apply(x, weight, bias)
+    if active():
+        return _Linear.apply(x, weight, bias) if bias is not None else _LinearNoBias.apply(x, weight)
     return F.linear(x, weight, bias)
 
 

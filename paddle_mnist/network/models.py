@@ -8,7 +8,7 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
-from paddle_mnist.network import backbones, exact
+from paddle_mnist.network import backbones, batchnorm, exact
 from paddle_mnist.network.dropout import Dropout
 from paddle_mnist.network.exact import add_channel_bias
 from paddle_mnist.network.heads import head_pool, head_scale, pooled, scaled
@@ -51,13 +51,25 @@ class Linear(nn.Linear):
 
 
 def sums_exactly(model: nn.Layer) -> bool:
-    """Whether every trainable parameter of model is a Conv2D's or a Linear's here, whose gradients exact.py can
-    sum in float64 (no batch norm, whose statistics are each worker's own anyway)."""
+    """Whether every trainable parameter of model is a Conv2D's or a Linear's here, or a batch norm's whose
+    statistics span the global batch (batchnorm.py), whose gradients exact.py can sum in float64; per-worker batch
+    norm has statistics of each worker's own."""
     for layer in model.sublayers(include_self=True):
         own = [p for p in layer.parameters(include_sublayers=False) if not p.stop_gradient]
-        if own and not isinstance(layer, (Conv2D, Linear)):
+        spans = isinstance(layer, batchnorm.BatchNorm2D) and layer.spans_global_batch
+        if own and not (isinstance(layer, (Conv2D, Linear)) or spans):
             return False
     return True
+
+
+def has_batch_norm(model: nn.Layer) -> bool:
+    return any(isinstance(layer, nn.layer.norm._BatchNormBase) for layer in model.sublayers(include_self=True))
+
+
+def runs_blocked(net: nn.Layer, x: paddle.Tensor) -> bool:
+    """Whether a network of conv modules runs x blocked (fastpath.blocks_now): not in training with batch norm over
+    the global batch, which runs NCHW by batchnorm.py (csrc/blocked.cc's batch norm is per worker)."""
+    return fastpath.blocks_now(net, x) and not (net.training and batchnorm.spans_global_batch(net))
 
 
 class MaxPool2D(nn.MaxPool2D):
@@ -139,11 +151,12 @@ class MnistCNN(nn.Layer):
     ):
         super().__init__()
         conv, pool, dense = (nn.Conv2D, nn.MaxPool2D, nn.Linear) if plain else (Conv2D, MaxPool2D, Linear)
+        norm = nn.BatchNorm2D if plain else batchnorm.BatchNorm2D
 
         def block(cin: int) -> list[nn.Layer]:
             if not batch_norm:
                 return [conv(cin, 20, 5, padding=2), nn.ReLU(), pool(2, 2)]
-            return [conv(cin, 20, 5, padding=2, bias_attr=False), nn.BatchNorm2D(20), nn.ReLU(), pool(2, 2)]
+            return [conv(cin, 20, 5, padding=2, bias_attr=False), norm(20), nn.ReLU(), pool(2, 2)]
 
         # the order each block runs in: the tutorial's, or max-pooling first (the same output to the bit, with less
         # work after it); batch norm needs the whole map's statistics, so there only ReLU moves after the pool
@@ -184,7 +197,7 @@ class ConvModule(nn.Sequential):
         pad = kernel // 2 if padding == "same" else 0
         super().__init__(
             Conv2D(in_channels, out_channels, kernel, stride=stride, padding=pad),
-            nn.BatchNorm2D(out_channels),
+            batchnorm.BatchNorm2D(out_channels),
             nn.ReLU(),
         )
 
@@ -258,10 +271,10 @@ class MiniGoogLeNet(nn.Layer):
         # is the same there and also fits 28x28 inputs (6x6 maps)
         self.pool = nn.AdaptiveAvgPool2D(1)
         self.dropout = Dropout(0.5)
-        self.fc = nn.Linear(channels, num_classes)
+        self.fc = Linear(channels, num_classes)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if fastpath.blocks_now(self, x):
+        if runs_blocked(self, x):
             x = self.blocked_features(x)
         else:
             x = paddle.flatten(self.pool(self.features(x)), 1)
@@ -338,10 +351,10 @@ class CifarFast(nn.Layer):
             channels = width
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveMaxPool2D(1)
-        self.fc = nn.Linear(channels, num_classes, bias_attr=False)
+        self.fc = Linear(channels, num_classes, bias_attr=False)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if fastpath.blocks_now(self, x):
+        if runs_blocked(self, x):
             x = self.blocked_features(x)
         else:
             x = paddle.flatten(self.pool(self.features(x)), 1)

@@ -120,7 +120,8 @@ def _flags_banner_dropped(environ: Mapping[str, str]):
 def convert_sync_bn(model: paddle.nn.Layer, env: DistEnv) -> paddle.nn.Layer:
     """Batch norm layers become SyncBatchNorm (same parameters), normalising over the whole global batch.
 
-    One worker already sees the whole batch, so there is nothing to convert. Check sync_bn_problem first.
+    One worker already sees the whole batch, so there is nothing to convert. GPUs only: CPU workers have
+    network/batchnorm.py.
     """
     return paddle.nn.SyncBatchNorm.convert_sync_batchnorm(model) if env.world_size > 1 else model
 

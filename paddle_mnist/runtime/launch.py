@@ -180,16 +180,6 @@ def gpu_request_problem(flag: str | None, launcher_args: list[str], local_size: 
     return f"the launcher was given {flag} ({asked} GPU(s)) but started {local_size} worker(s) on this node: {why}"
 
 
-def sync_bn_problem(device: str, world_size: int) -> str | None:
-    """Why --sync-bn cannot be honoured here, or None."""
-    if device == "cpu" and world_size > 1:
-        return (
-            "--sync-bn: Paddle has no CPU kernel for SyncBatchNorm (sync_batch_norm), so it works on GPUs only; "
-            "drop --sync-bn on CPU (each worker then normalises its own shard of the batch)"
-        )
-    return None
-
-
 def amp_problem(amp: str, device: str, capability: tuple[int, int] | None) -> str | None:
     """Why --amp cannot be honoured on this device, or None. capability: the GPU's (major, minor), None on CPU.
 

@@ -18,7 +18,7 @@ from paddle_mnist.datasets import data
 from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import events
 from paddle_mnist.files.log import ProgressBar, memory_mb
-from paddle_mnist.network import dropout, exact
+from paddle_mnist.network import batchnorm, dropout, exact
 from paddle_mnist.runtime.distributed import (
     DistEnv,
     all_reduce_max,
@@ -105,9 +105,8 @@ class Epoch:
                 t1 = time.perf_counter()
                 timer.add("input_wait", t1 - t0)
                 sampled = timer if timer.wants(steps) else None
-                share = (env.rank * len(labels), env.world_size * len(labels))
                 loss, batch_loss_sum, batch_correct, norm = train_step(
-                    state, images, labels, cfg, sampled, self.feed, share, env
+                    state, images, labels, cfg, sampled, self.feed, env
                 )
                 state.sched.step()
                 state.step += 1
@@ -204,9 +203,7 @@ def global_grad_norm(params: list) -> paddle.Tensor:
 ONE_PROCESS = DistEnv(0, 1, 0, 1, "none", "cpu")
 
 
-def train_step(
-    state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, share=None, env: DistEnv = ONE_PROCESS
-):
+def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, env: DistEnv = ONE_PROCESS):
     """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
 
     norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
@@ -220,22 +217,25 @@ def train_step(
     are all-reduced once after the last and rounded to float32 once. With a timing.StepTimer the step's phases are
     timed at their boundaries and nothing else changes: the all-reduce counts in the backward phase.
 
-    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU); share is
-    (position, total): they are places position .. of a global batch of total images, (0, len(labels)) when None.
-    The model's dropout layers draw their masks by place in the global batch (dropout.Place).
+    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU): env's worker's
+    share of the global batch, micro-batch i of it its slice of the global micro-batch i (data.worker_places). The
+    model's dropout layers draw their masks by place in the global batch (dropout.Place); its batch norm layers
+    that span the global batch meet the other workers' through their micro-batch's place (batchnorm.Meeting).
     """
     model, opt, scaler = state.model, state.opt, state.scaler
     k = cfg.accum_steps
     loss_sums, corrects = [], []
-    position, total = share or (0, len(labels))
+    total = len(labels) * env.world_size
     drops = dropout.layers(model)
+    add = sum_over_workers(model, env)
     if timer:
         timer.begin()
     sums = exact.Sums() if state.exact else None
     for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
-        place = dropout.Place(cfg.seed, state.step, position, total)
-        position += len(y)
-        with gradient_sync(model, env, i == k - 1 and sums is None), exact.summing(sums):
+        micro = len(y) * env.world_size  # the global micro-batch: every worker's micro-batch i
+        place = dropout.Place(cfg.seed, state.step, i * micro + env.rank * len(y), total)
+        meet = batchnorm.Meeting(add, env.rank * len(y), micro, env.rank == 0, env.world_size)
+        with gradient_sync(model, env, i == k - 1 and sums is None), exact.summing(sums), batchnorm.meeting(meet):
             with amp_context(cfg), dropout.placed(drops, place):
                 logits = model(x)
             if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
@@ -254,7 +254,7 @@ def train_step(
         loss_sums.append(loss.detach() * len(y))
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
     if sums is not None:  # summed over the workers in float64, rounded once
-        sums.gradients(model.parameters(), sum_over_workers(model, env))
+        sums.gradients(model.parameters(), add)
     else:
         average_gradients(model, env)
     if timer:

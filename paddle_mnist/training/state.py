@@ -6,6 +6,7 @@ import numpy as np
 import paddle
 
 from paddle_mnist.config import Config, effective_lr
+from paddle_mnist.network import batchnorm
 from paddle_mnist.network.models import build_model, sums_exactly
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import distributed
@@ -102,7 +103,9 @@ class TrainState:
         if whitening is not None:
             whitening(model)
         loaded = start(model) if start is not None else ()
-        if cfg.sync_bn:
+        if cfg.sync_bn and env.device == "cpu":  # one process too: it computes batch norm as the workers do
+            batchnorm.over_global_batch(model)
+        elif cfg.sync_bn:
             model = distributed.convert_sync_bn(model, env)
         planned = cfg.epochs * steps_per_epoch
         opt, sched = make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
@@ -125,6 +128,8 @@ class TrainState:
     def average_statistics(self, env: DistEnv) -> None:
         """Every rank's batch norm statistics averaged (every rank takes part), so every rank then holds the ones rank
         0 saves and evaluates with."""
+        if batchnorm.spans_global_batch(distributed.unwrap(self.model)):
+            return  # every rank's are the same bits already, which an average over 3 ranks could round away
         distributed.average_running_statistics(self.model, env)
         if self.ema:
             distributed.average_running_statistics(self.ema.net, env)

@@ -33,7 +33,7 @@ from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import checkpoint, report
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.network import summary, whiten
+from paddle_mnist.network import batchnorm, models, summary, whiten
 from paddle_mnist.network.models import build_model, count_parameters
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu, distributed, launch, waiting
@@ -165,11 +165,31 @@ def _log_model(cfg: Config, env: DistEnv, log: logging.Logger, ds: data.Dataset,
     return described.table
 
 
+def _exactness(cfg: Config, env: DistEnv, state: TrainState) -> list[str]:
+    """The start-up lines that say how batch norm normalises and whether N workers train one process's weights."""
+    lines = []
+    if batchnorm.spans_global_batch(state.model):
+        per = f"{cfg.batch_size // cfg.accum_steps} images" + (" (a micro-batch)" if cfg.accum_steps > 1 else "")
+        lines.append(f"batch norm: statistics over the global batch of {per}, on every worker (--sync-bn)")
+    elif cfg.sync_bn:
+        lines.append("batch norm: SyncBatchNorm over the global batch (--sync-bn)")
+    elif models.has_batch_norm(state.model) and env.device == "cpu":
+        lines.append(
+            f"batch norm: statistics of each worker's {cfg.batch_size // env.world_size // cfg.accum_steps} images; "
+            "--sync-bn normalises over the global batch, and then any number of workers trains one process's weights"
+        )
+    if state.exact:
+        lines.append(
+            "gradients: each step's summed in float64 and rounded once (network/exact.py): any number of workers "
+            "or --accum-steps trains the weights of one process, to the bit"
+            + (" (with batch norm: at the same --accum-steps)" if models.has_batch_norm(state.model) else "")
+        )
+    return lines
+
+
 def _check_start(cfg: Config, env: DistEnv) -> int:
     """Refuse what this device cannot run; set the CPU threads. The threads per worker."""
     if problem := launch.amp_problem(cfg.amp, env.device, launch.device_capability(env.device)):
-        raise ConfigError(problem)
-    if cfg.sync_bn and (problem := launch.sync_bn_problem(env.device, env.world_size)):
         raise ConfigError(problem)
     threads = cpu.threads_per_worker(cfg.cpu_threads, env.local_size)
     if env.device == "cpu":
@@ -320,11 +340,8 @@ def train_and_evaluate(
     start = _start(cfg, env, log, stop, resumed)
     state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, start)
     table = _log_model(cfg, env, log, ds, state.model)
-    if state.exact:
-        log.info(
-            "gradients: each step's summed in float64 and rounded once (network/exact.py): any number of workers "
-            "or --accum-steps trains the weights of one process, to the bit"
-        )
+    for line in _exactness(cfg, env, state):
+        log.info(line)
     if resumed:
         checkpoints.resume(state, resumed)
     files.start(state.epoch if resumed else None, state.step, log)

@@ -1,0 +1,161 @@
+"""Batch norm over the global batch, exactly: what --sync-bn does on CPU workers.
+
+Each worker trains on its share of a global batch (of a global micro-batch with --accum-steps). Per-worker batch
+norm normalises each share by its own statistics, so N workers train other weights than one process; Paddle's and
+PyTorch's SyncBatchNorm have GPU kernels only. Here a layer whose statistics span the global batch
+(over_global_batch) computes, in training, per image and channel the float64 sums it needs (forward: the sum and the
+sum of squares of its input; backward: the sums of the output's gradient and of its product with the input; a
+product of two float32 values is exact in float64). The workers meet (Meeting.rows): every worker then holds every
+image's sums, in the global batch's order, and adds them in that order, so the mean, the variance and the two
+gradient sums are the same bits on every worker and in one process, however the batch is split. The rest is
+elementwise in float32 (y = x * scale + shift; dx = dy * a + x * b + c, with per-channel constants from those
+sums), the same bits for an image wherever it runs. The running statistics move by the global mean and biased
+variance, as Paddle's batch norm moves them by a batch's, so every worker holds the same ones.
+
+The weight's and bias's gradients are global sums already: on the exact path (network/exact.py) rank 0 hands them
+over and the others hand over zeros, which the workers' float64 sum leaves as they are; elsewhere each worker
+returns 1/N of them, which averaging over the workers makes whole again.
+
+    meeting(m)              inside, the layers below meet through m (a Meeting)
+    over_global_batch(net)  turn on the global statistics in net's BatchNorm2D layers; spans_global_batch(net)
+    BatchNorm2D             nn.BatchNorm2D (same parameters and names) with the global statistics when turned on
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import paddle
+from paddle import nn
+from paddle.autograd import PyLayer
+
+from paddle_mnist.network import exact
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """How one worker's images meet the others': places position .. position + n - 1 of a global (micro-)batch of
+    total images; add sums a float64 tensor over the workers in place; rank 0 leads; world workers."""
+
+    add: Callable[[paddle.Tensor], None]
+    position: int
+    total: int
+    lead: bool = True
+    world: int = 1
+
+    def rows(self, mine: paddle.Tensor) -> paddle.Tensor:
+        """Every image's rows of the global batch, in its order: this worker's `mine` [n, K] at its places, the
+        others' at theirs (each place is written by one worker and zero elsewhere: x + 0 is x in the sum)."""
+        n, k = mine.shape
+        if n == self.total:
+            return mine
+        parts = [paddle.zeros([self.position, k], mine.dtype)] if self.position else []
+        parts.append(mine)
+        if self.total - self.position - n:
+            parts.append(paddle.zeros([self.total - self.position - n, k], mine.dtype))
+        everyone = paddle.concat(parts)
+        self.add(everyone)
+        return everyone
+
+
+_meeting: Meeting | None = None
+
+
+@contextlib.contextmanager
+def meeting(m: Meeting | None) -> Iterator[None]:
+    """Layers with global statistics meet through m inside (with None, they normalise as Paddle's)."""
+    global _meeting
+    kept, _meeting = _meeting, m
+    try:
+        yield
+    finally:
+        _meeting = kept
+
+
+@paddle.jit.not_to_static  # False while paddle.jit.save traces the network: it gets Paddle's own batch norm
+def _meets() -> bool:
+    return _meeting is not None and paddle.in_dynamic_mode() and paddle.is_grad_enabled()
+
+
+def _per_image(a: paddle.Tensor, b: paddle.Tensor) -> paddle.Tensor:
+    """[n, 2C] float64: each image's per-channel sums of a and of a * b, for a, b [n, C, H*W] float64."""
+    return paddle.concat([a.sum(axis=2), (a * b).sum(axis=2)], axis=1)
+
+
+def _column(v: paddle.Tensor) -> paddle.Tensor:
+    """A per-channel float64 vector as a float32 (C, 1), to broadcast over [n, C, H*W] (exact.py's fast path)."""
+    return v.astype("float32").reshape([-1, 1])
+
+
+class _GlobalNorm(PyLayer):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer, m):
+        n, c, h, w = x.shape
+        flat = x.reshape([0, c, h * w])
+        wide = flat.astype("float64")
+        sums = m.rows(_per_image(wide, wide)).sum(axis=0)
+        count = m.total * h * w
+        mean = sums[:c] / count
+        variance = paddle.clip(sums[c:] / count - mean * mean, min=0.0)
+        inv_std = paddle.rsqrt(variance + layer._epsilon)
+        scale = weight.astype("float64") * inv_std
+        y = flat * _column(scale) + _column(bias.astype("float64") - mean * scale)
+        keep = layer._momentum
+        paddle.assign(layer._mean * keep + mean.astype("float32") * (1 - keep), layer._mean)
+        paddle.assign(layer._variance * keep + variance.astype("float32") * (1 - keep), layer._variance)
+        ctx.save_for_backward(x)
+        ctx.kept = (weight, bias, m, mean, inv_std, scale, count)
+        return y.reshape([0, c, h, w])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensor()
+        weight, bias, m, mean, inv_std, scale, count = ctx.kept
+        n, c, h, w = x.shape
+        flat, g = x.reshape([0, c, h * w]), grad_out.reshape([0, c, h * w])
+        sums = m.rows(_per_image(g.astype("float64"), flat.astype("float64"))).sum(axis=0)
+        grad_bias = sums[:c]  # the sum of dy
+        grad_weight = inv_std * (sums[c:] - mean * grad_bias)  # the sum of dy * (x - mean) / std
+        b = -scale * inv_std * grad_weight / count
+        shift = -scale * grad_bias / count - b * mean
+        grad_x = g * _column(scale) + flat * _column(b) + _column(shift)
+        return grad_x.reshape([0, c, h, w]), _hand_over(weight, grad_weight, m), _hand_over(bias, grad_bias, m)
+
+
+def _hand_over(param: paddle.Tensor, total: paddle.Tensor, m: Meeting) -> paddle.Tensor | None:
+    if param.stop_gradient:
+        return None
+    if exact.collecting():
+        return exact.hand_over(param, total if m.lead else paddle.zeros_like(total))
+    return (total * (1.0 / m.world)).astype("float32")
+
+
+class BatchNorm2D(nn.BatchNorm2D):
+    """nn.BatchNorm2D (same parameters, running statistics and names, so weights load either way); once
+    over_global_batch turned it on, it normalises in training by the global batch's statistics (module docstring)
+    wherever a step has set a meeting. Elsewhere, and always in evaluation and export, it is Paddle's own."""
+
+    spans_global_batch = False
+
+    def forward(self, x: paddle.Tensor) -> paddle.Tensor:
+        if self.spans_global_batch and self.training and _meets() and self._data_format == "NCHW":
+            return _GlobalNorm.apply(x, self.weight, self.bias, self, _meeting)
+        return nn.BatchNorm2D.forward(self, x)  # named, as models.MaxPool2D does, for Paddle 2.6's jit.save
+
+
+def over_global_batch(net: nn.Layer) -> int:
+    """Turn on the global statistics in every 2-D batch norm of net, Paddle's own (the ImageNet backbones') made
+    this module's BatchNorm2D, which holds nothing more; how many there are."""
+    layers = [layer for layer in net.sublayers(include_self=True) if type(layer) in (nn.BatchNorm2D, BatchNorm2D)]
+    for layer in layers:
+        layer.__class__ = BatchNorm2D
+        layer.spans_global_batch = True
+    return len(layers)
+
+
+def spans_global_batch(net: nn.Layer) -> bool:
+    """Whether net has batch norm and every batch norm layer of it normalises over the global batch."""
+    norms = [layer for layer in net.sublayers(include_self=True) if isinstance(layer, nn.layer.norm._BatchNormBase)]
+    return bool(norms) and all(getattr(layer, "spans_global_batch", False) for layer in norms)
