@@ -32,6 +32,7 @@ from paddle import nn
 from paddle.autograd import PyLayer
 
 from paddle_mnist.network import exact
+from paddle_mnist.ops import fastpath
 
 
 @dataclass(frozen=True)
@@ -79,49 +80,40 @@ def _meets() -> bool:
     return _meeting is not None and paddle.in_dynamic_mode() and paddle.is_grad_enabled()
 
 
-def _per_image(a: paddle.Tensor, b: paddle.Tensor) -> paddle.Tensor:
-    """[n, 2C] float64: each image's per-channel sums of a and of a * b, for a, b [n, C, H*W] float64."""
-    return paddle.concat([a.sum(axis=2), (a * b).sum(axis=2)], axis=1)
-
-
-def _column(v: paddle.Tensor) -> paddle.Tensor:
-    """A per-channel float64 vector as a float32 (C, 1), to broadcast over [n, C, H*W] (exact.py's fast path)."""
-    return v.astype("float32").reshape([-1, 1])
+def _f32(v: paddle.Tensor) -> paddle.Tensor:
+    return v.astype("float32")
 
 
 class _GlobalNorm(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, m):
         n, c, h, w = x.shape
-        flat = x.reshape([0, c, h * w])
-        wide = flat.astype("float64")
-        sums = m.rows(_per_image(wide, wide)).sum(axis=0)
+        sums = m.rows(fastpath.plane_sums(x)).sum(axis=0)
         count = m.total * h * w
         mean = sums[:c] / count
         variance = paddle.clip(sums[c:] / count - mean * mean, min=0.0)
         inv_std = paddle.rsqrt(variance + layer._epsilon)
         scale = weight.astype("float64") * inv_std
-        y = flat * _column(scale) + _column(bias.astype("float64") - mean * scale)
+        y = fastpath.affine(x, _f32(scale), _f32(bias.astype("float64") - mean * scale))
         keep = layer._momentum
-        paddle.assign(layer._mean * keep + mean.astype("float32") * (1 - keep), layer._mean)
-        paddle.assign(layer._variance * keep + variance.astype("float32") * (1 - keep), layer._variance)
+        paddle.assign(layer._mean * keep + _f32(mean) * (1 - keep), layer._mean)
+        paddle.assign(layer._variance * keep + _f32(variance) * (1 - keep), layer._variance)
         ctx.save_for_backward(x)
         ctx.kept = (weight, bias, m, mean, inv_std, scale, count)
-        return y.reshape([0, c, h, w])
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensor()
         weight, bias, m, mean, inv_std, scale, count = ctx.kept
-        n, c, h, w = x.shape
-        flat, g = x.reshape([0, c, h * w]), grad_out.reshape([0, c, h * w])
-        sums = m.rows(_per_image(g.astype("float64"), flat.astype("float64"))).sum(axis=0)
+        c = x.shape[1]
+        sums = m.rows(fastpath.plane_sums(grad_out, x)).sum(axis=0)
         grad_bias = sums[:c]  # the sum of dy
         grad_weight = inv_std * (sums[c:] - mean * grad_bias)  # the sum of dy * (x - mean) / std
         b = -scale * inv_std * grad_weight / count
         shift = -scale * grad_bias / count - b * mean
-        grad_x = g * _column(scale) + flat * _column(b) + _column(shift)
-        return grad_x.reshape([0, c, h, w]), _hand_over(weight, grad_weight, m), _hand_over(bias, grad_bias, m)
+        grad_x = fastpath.affine(x, _f32(scale), _f32(b), g=grad_out, c=_f32(shift))
+        return grad_x, _hand_over(weight, grad_weight, m), _hand_over(bias, grad_bias, m)
 
 
 def _hand_over(param: paddle.Tensor, total: paddle.Tensor, m: Meeting) -> paddle.Tensor | None:

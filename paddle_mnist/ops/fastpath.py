@@ -10,6 +10,7 @@ tracing, or no build). What models.py and exact.py ask:
     pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x (csrc/max_pool.cc)
     blocks_now(l, x)   whether a network of conv modules runs x in oneDNN's layout blocked by BLOCK channels, then
                        conv_bn_relu, conv_relu_folded, max_pool_blocked and concat_blocked (csrc/blocked.cc)
+    plane_sums, affine the per-image float64 sums and per-channel scalings of batchnorm.py (csrc/batch_norm.cc)
     kept_plans()       how many plans the operators keep: a backward pass keeps its shape's, a few dozen per cache
                        at most; evaluation keeps none, and no plan holds a buffer past its call
 """
@@ -183,6 +184,30 @@ def concat_blocked(a: paddle.Tensor, b: paddle.Tensor, ops=None) -> paddle.Tenso
     """paddle.concat([a, b], axis=1) of two blocked maps, by oneDNN on every thread (Paddle's copies on one), and
     its gradient split in place from the output's."""
     return (ops or _ops).onednn_concat_blocked(a, b)
+
+
+def plane_sums(a: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tensor:
+    """[N, 2C] float64 of a (and b) [N, C, H, W] float32: each image's per-channel sum of a, then of a * b (a * a
+    without b), each plane's in one order whatever the batch (csrc/batch_norm.cc); by Paddle's operators where the
+    custom ones do not run (another order: the last bits of float64 differ)."""
+    if runs(a):
+        return _ops.bn_plane_sums(a) if b is None else _ops.bn_plane_sums2(a, b)
+    n, c, h, w = a.shape
+    wide = a.reshape([0, c, h * w]).astype("float64")
+    other = wide if b is None else b.reshape([0, c, h * w]).astype("float64")
+    return paddle.concat([wide.sum(axis=2), (wide * other).sum(axis=2)], axis=1)
+
+
+def affine(x: paddle.Tensor, a: paddle.Tensor, b: paddle.Tensor, g=None, c=None) -> paddle.Tensor:
+    """x * a + b per channel of x [N, C, H, W] float32 (a, b float32 [C]); with g and c, g * a + x * b + c, added in
+    that order. The same bits by csrc/batch_norm.cc and by Paddle's operators (each product and sum rounded)."""
+    if runs(x):
+        return _ops.bn_affine(x, a, b) if g is None else _ops.bn_affine2(g, x, a, b, c)
+    n, ch, h, w = x.shape
+    flat, col = x.reshape([0, ch, h * w]), (lambda v: v.reshape([ch, 1]))
+    if g is None:
+        return (flat * col(a) + col(b)).reshape([0, ch, h, w])
+    return (g.reshape([0, ch, h * w]) * col(a) + flat * col(b) + col(c)).reshape([0, ch, h, w])
 
 
 def _count(counter) -> int:

@@ -6,7 +6,8 @@ the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which add
 csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
 bit F.max_pool2d's and, in SSE2, faster than Paddle's CPU kernel (docs/performance.md). csrc/blocked.cc runs
 MiniGoogLeNet's conv modules (convolution, batch norm, ReLU), 3x3 max-pools and concatenations on maps in oneDNN's
-layout blocked by BLOCK channels (conv_bn_relu, max_pool_blocked, concat_blocked). The files build into one library,
+layout blocked by BLOCK channels (conv_bn_relu, max_pool_blocked, concat_blocked); csrc/batch_norm.cc the per-image
+sums and per-channel scalings of batch norm over the global batch (network/batchnorm.py). The files build into one library,
 cpu_ops, linked against the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the
 `onednn-devel-cpu-gomp` package (requirements.txt).
 
@@ -44,7 +45,7 @@ from paddle_mnist.ops import fastpath, selfcheck
 
 BACKENDS = ("auto", "onednn", "paddle")
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("onednn_conv.cc", "blocked.cc", "max_pool.cc"))
+SOURCES = tuple(CSRC / name for name in ("onednn_conv.cc", "blocked.cc", "max_pool.cc", "batch_norm.cc"))
 INCLUDES = (CSRC / "onednn_common.h",)  # what the sources include from beside them
 NAME = "cpu_ops"  # the library's name: oneDNN's operators (onednn_conv2d(_bias), the blocked ones) and max_pool2x2
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
