@@ -25,7 +25,8 @@ Every rank records, for every step, when it started, ended its forward and backw
 the all-reduce and ended the optimizer step (one clock for all processes: CLOCK_MONOTONIC). The table gives each
 phase's median over ranks and steps (the first 20 steps left out), the global images/s and the share of the none
 mode's rate. "wait" is the time from a rank's end of backward to the meeting's end: the slower rank's lead plus
-the meeting's own latency. --json keeps every round's figures.
+the meeting's own latency. --json keeps every round's figures. Last, whether a rank's speed persists from one
+window of steps to the next, which a batch split in proportion to the ranks' rates would need (persistence()).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from scripts.bench_torch import PER_WORKER, REPO
 
 MODES = ("none", "pause", "lockstep", "barrier", "allreduce", "dataparallel", "shared", "overlap")
 SKIP = 20  # warm-up steps left out of the medians
+WINDOW = 20  # steps a window of the persistence figures
 PAUSE = 0.001  # s, the pause mode's idle time a step
 
 
@@ -271,7 +273,43 @@ def analyse(runs: list[list[list[float]]], workers: int) -> dict:
     got["step"] = statistics.median(1e3 * (m[i + 1][0] - m[i][0]) for m in marks for i in range(len(m) - 1))
     got["rank_rates"] = own
     got["images_per_sec"] = sum(own) if len(own) == workers else 0.0
+    got.update(persistence([[1e3 * (s[2] - s[0]) for s in m] for m in marks]))
     return got
+
+
+def persistence(compute: list[list[float]], window: int = WINDOW) -> dict:
+    """Whether a rank's speed persists: each rank's compute time a step (start to end of backward, ms) over windows
+    of `window` steps, as a share of all ranks' mean in that window. "persistence" is the correlation of those shares
+    between one window and the next (0: a rank fast in one window is no likelier fast in the next); "split_gain" is
+    what a batch split in proportion to the previous window's rates would have saved of the step's compute time,
+    each rank's time taken to scale with its images (an estimate from the measured times, not a run of such a
+    split); "ideal_gain", the same with each step's own rates known in advance."""
+    ranks, steps = len(compute), min(len(c) for c in compute)
+    if ranks < 2 or steps < 3 * window:
+        return {}
+    shares = []
+    for w in range(steps // window):
+        means = [statistics.fmean(c[w * window : (w + 1) * window]) for c in compute]
+        shares.append([m / statistics.fmean(means) for m in means])
+    before = [x for row in shares[:-1] for x in row]
+    after = [x for row in shares[1:] for x in row]
+    even = split = ideal = 0.0
+    for w in range(1, len(shares)):
+        speed = [1 / x for x in shares[w - 1]]
+        part = [ranks * v / sum(speed) for v in speed]  # each rank's images, as a multiple of an even share
+        for t in range(w * window, (w + 1) * window):
+            now = [c[t] for c in compute]
+            even += max(now)
+            split += max(x * k for x, k in zip(now, part))
+            ideal += ranks / sum(1 / x for x in now)
+    return {"persistence": _correlation(before, after), "split_gain": 1 - split / even, "ideal_gain": 1 - ideal / even}
+
+
+def _correlation(a: list[float], b: list[float]) -> float:
+    ma, mb = statistics.fmean(a), statistics.fmean(b)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+    var = (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
+    return cov / var if var else 0.0
 
 
 def run_mode(mode: str, args, work: Path, env: dict) -> dict:
@@ -366,6 +404,14 @@ def main() -> int:
     if "none" in results:
         own = [round(x) for r in results["none"] for x in r["rank_rates"]]
         print(f"none, each process's own images/s: {min(own)} to {max(own)} (all rounds)")
+    print(f"whether a rank's speed persists ({WINDOW}-step windows; median of rounds; the gains are estimates):")
+    for mode, rounds in results.items():
+        if rounds and "persistence" in rounds[0]:
+            got = {k: statistics.median(r[k] for r in rounds) for k in ("persistence", "split_gain", "ideal_gain")}
+            print(
+                f"  {mode:<13} persistence {got['persistence']:+.2f}, a split by the last window's rates "
+                f"{100 * got['split_gain']:+.1f}% of compute time, by each step's own {100 * got['ideal_gain']:+.1f}%"
+            )
     if args.json:
         kept = {"workers": args.workers, "model": args.model, "nice": args.nice, "spin": args.spin, "pin": args.pin}
         kept["manual_gc"] = args.manual_gc

@@ -289,8 +289,8 @@ class TrainBatches:
         self.accum = cfg.accum_steps
         # with micro-batches on several workers, each worker's share of a global batch is worker_places of it,
         # picked from the global batch, which every rank's sampler gives a part of
-        spread = self.accum > 1 and world_size > 1
-        self.samplers = [make_sampler(len(split), per_worker, r, world_size) for r in range(world_size)] if spread else []
+        spread = range(world_size) if self.accum > 1 and world_size > 1 else range(0)
+        self.samplers = [make_sampler(len(split), per_worker, r, world_size) for r in spread]
         self.places = worker_places(per_worker, rank, world_size, self.accum)
         self.seed = cfg.seed
         self.policy = augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip) if cfg.augment else None
@@ -309,7 +309,9 @@ class TrainBatches:
 
     def epoch(self, epoch: int, first: int, count: int, stage=None) -> Batches:
         """stage: a last step for each batch in the background thread (transfer.Feed.host), or None."""
-        plan = AugmentPlan(self.policy, self.seed, epoch, self.rank, self.world_size, self.accum) if self.policy else None
+        plan = None
+        if self.policy:
+            plan = AugmentPlan(self.policy, self.seed, epoch, self.rank, self.world_size, self.accum)
         indices = itertools.islice(self._shares(epoch), first, first + count)
         return Batches(first, count, prefetch(batches(self.split, self.ds, indices, plan, first=first), stage=stage))
 

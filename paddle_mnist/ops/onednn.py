@@ -6,10 +6,10 @@ the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which add
 csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
 bit F.max_pool2d's and, in SSE2, faster than Paddle's CPU kernel (docs/performance.md). csrc/blocked.cc runs
 MiniGoogLeNet's conv modules (convolution, batch norm, ReLU), 3x3 max-pools and concatenations on maps in oneDNN's
-layout blocked by BLOCK channels (conv_bn_relu, max_pool_blocked, concat_blocked); csrc/batch_norm.cc the per-image
-sums and per-channel scalings of batch norm over the global batch (network/batchnorm.py). The files build into one library,
-cpu_ops, linked against the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN headers of the
-`onednn-devel-cpu-gomp` package (requirements.txt).
+layout blocked by BLOCK channels (conv_bn_relu, max_pool_blocked, concat_blocked); csrc/batch_norm.cc has the
+per-image sums and per-channel scalings of batch norm over the global batch (network/batchnorm.py). The files build
+into one library, cpu_ops, linked against the libdnnl.so.3 that Paddle's CPU wheel already ships, with the oneDNN
+headers of the `onednn-devel-cpu-gomp` package (requirements.txt).
 
     prepare(backend)   before the process group: build (or find) the library; several workers on one machine
                        build it once, under a lock, and a damaged build is rebuilt. Never raises for "auto".

@@ -173,7 +173,7 @@ def _exactness(cfg: Config, env: DistEnv, state: TrainState) -> list[str]:
         lines.append(f"batch norm: statistics over the global batch of {per}, on every worker (--sync-bn)")
     elif cfg.sync_bn:
         lines.append("batch norm: SyncBatchNorm over the global batch (--sync-bn)")
-    elif models.has_batch_norm(state.model) and env.device == "cpu":
+    elif models.has_batch_norm(state.model) and env.device == "cpu" and env.world_size > 1:
         lines.append(
             f"batch norm: statistics of each worker's {cfg.batch_size // env.world_size // cfg.accum_steps} images; "
             "--sync-bn normalises over the global batch, and then any number of workers trains one process's weights"
