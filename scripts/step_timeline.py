@@ -264,7 +264,7 @@ class GradientStream:
         self._reset()
 
 
-def analyse(runs: list[list[list[float]]], workers: int) -> dict:
+def analyse(runs: list[list[list[float]]], workers: int, window: int = WINDOW) -> dict:
     """Medians over ranks and steps of each phase (ms), the global rate and the ranks' own rates."""
     marks = [m[SKIP:] for m in runs]
     phases = {"forward": (0, 1), "backward": (1, 2), "wait": (2, 3), "all-reduce": (3, 4), "optimizer": (4, 5)}
@@ -273,7 +273,7 @@ def analyse(runs: list[list[list[float]]], workers: int) -> dict:
     got["step"] = statistics.median(1e3 * (m[i + 1][0] - m[i][0]) for m in marks for i in range(len(m) - 1))
     got["rank_rates"] = own
     got["images_per_sec"] = sum(own) if len(own) == workers else 0.0
-    got.update(persistence([[1e3 * (s[2] - s[0]) for s in m] for m in marks]))
+    got.update(persistence([[1e3 * (s[2] - s[0]) for s in m] for m in marks], window))
     return got
 
 
@@ -326,7 +326,7 @@ def run_mode(mode: str, args, work: Path, env: dict) -> dict:
     if proc.returncode != 0 or len(files) != args.workers:
         logs = "".join(f.read_text()[-1500:] for f in sorted((work / f"log-{mode}").glob("workerlog.*"))[:2])
         raise SystemExit(f"mode {mode} failed ({len(files)} of {args.workers} ranks wrote):\n{logs}{proc.stderr}")
-    return analyse([json.loads(f.read_text()) for f in files], args.workers)
+    return analyse([json.loads(f.read_text()) for f in files], args.workers, args.window)
 
 
 def main() -> int:
@@ -348,6 +348,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=300, help=f"steps a run (the first {SKIP} not counted)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, of " + ", ".join(MODES))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--window", type=int, default=WINDOW, help="steps a window of the persistence figures")
     p.add_argument(
         "--nice",
         type=int,
@@ -404,7 +405,7 @@ def main() -> int:
     if "none" in results:
         own = [round(x) for r in results["none"] for x in r["rank_rates"]]
         print(f"none, each process's own images/s: {min(own)} to {max(own)} (all rounds)")
-    print(f"whether a rank's speed persists ({WINDOW}-step windows; median of rounds; the gains are estimates):")
+    print(f"whether a rank's speed persists ({args.window}-step windows; median of rounds; the gains are estimates):")
     for mode, rounds in results.items():
         if rounds and "persistence" in rounds[0]:
             got = {k: statistics.median(r[k] for r in rounds) for k in ("persistence", "split_gain", "ideal_gain")}

@@ -208,3 +208,27 @@ def test_the_exact_path_hands_over_every_batch_norm_gradient(op):
     sums.gradients(net.parameters(), lambda t: None)
     trained = [p for p in net.parameters() if not p.stop_gradient]
     assert {id(p) for p in trained} == set(sums.by_param) and len(trained) == 10
+
+
+@pytest.mark.slow
+def test_paddles_own_batch_norm_gets_the_global_statistics_on_the_float32_path(tmp_path):
+    """resnet18 (Paddle's layers: no exact path): its batch norm layers are made global by --sync-bn, and each worker
+    returns 1/N of the weight's and bias's global gradient sums, which DataParallel's average makes whole. After one
+    step at a high rate, 2 workers move them as one process does, to float32's rounding; a factor of N off, or per
+    worker statistics, would move them otherwise."""
+    job = ["--dataset", "mnist", "--model", "resnet18", "--max-steps", "1", "--batch-size", "32", "--train-limit"]
+    job += ["512", "--eval-limit", "100", "--seed", "3", "--sync-bn", "--lr", "0.5", "--warmup-epochs", "0"]
+    job += ["--weight-decay", "0"]
+    one = run_single([*job, "--output-dir", str(tmp_path / "one")], cwd=tmp_path)
+    assert one.returncode == 0, explain(one)
+    two = run_launch([*job, "--output-dir", str(tmp_path / "two")], tmp_path, tmp_path / "log")
+    assert two.returncode == 0, explain(two, tmp_path / "log")
+    assert "gradients: each step's summed in float64" not in worker_log(tmp_path / "log", 0)
+    a, b = weights(tmp_path / "one" / "model.pdparams"), weights(tmp_path / "two" / "model.pdparams")
+    norms = [k for k in a if ".bn" in k or k.startswith("bn")]
+    assert len(norms) == 17 * 4  # the stem's and two a block (the downsampling ones are named otherwise)
+    for name in (k for k in norms if k.endswith((".weight", ".bias"))):
+        start = 1.0 if name.endswith("weight") else 0.0
+        moved = np.abs(a[name] - start).sum()
+        assert moved > 1e-2, name  # the step moved it
+        np.testing.assert_allclose(b[name], a[name], atol=2e-5 * max(1.0, moved), err_msg=name)

@@ -27,6 +27,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import paddle
 from paddle import nn
 from paddle.autograd import PyLayer
@@ -80,24 +81,32 @@ def _meets() -> bool:
     return _meeting is not None and paddle.in_dynamic_mode() and paddle.is_grad_enabled()
 
 
-def _f32(v: paddle.Tensor) -> paddle.Tensor:
-    return v.astype("float32")
+def _f32(v: np.ndarray) -> paddle.Tensor:
+    """A per-channel float64 vector as float32, for the elementwise operators."""
+    return paddle.to_tensor(v.astype(np.float32))
+
+
+def _channel_sums(m: Meeting, mine: paddle.Tensor) -> np.ndarray:
+    """The per-channel sums [2C] over the global batch, from this worker's per-image ones: every worker adds every
+    image's in the global order (numpy for the per-channel arithmetic: tens of values, where each Paddle operator
+    costs more than its work)."""
+    return m.rows(mine).numpy().sum(axis=0)
 
 
 class _GlobalNorm(PyLayer):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, m):
         n, c, h, w = x.shape
-        sums = m.rows(fastpath.plane_sums(x)).sum(axis=0)
+        sums = _channel_sums(m, fastpath.plane_sums(x))
         count = m.total * h * w
         mean = sums[:c] / count
-        variance = paddle.clip(sums[c:] / count - mean * mean, min=0.0)
-        inv_std = paddle.rsqrt(variance + layer._epsilon)
-        scale = weight.astype("float64") * inv_std
-        y = fastpath.affine(x, _f32(scale), _f32(bias.astype("float64") - mean * scale))
-        keep = layer._momentum
-        paddle.assign(layer._mean * keep + _f32(mean) * (1 - keep), layer._mean)
-        paddle.assign(layer._variance * keep + _f32(variance) * (1 - keep), layer._variance)
+        variance = np.maximum(sums[c:] / count - mean * mean, 0.0)
+        inv_std = 1.0 / np.sqrt(variance + layer._epsilon)
+        scale = weight.numpy().astype(np.float64) * inv_std
+        y = fastpath.affine(x, _f32(scale), _f32(bias.numpy().astype(np.float64) - mean * scale))
+        keep, rest = np.float32(layer._momentum), np.float32(1 - layer._momentum)
+        for running, batch in ((layer._mean, mean), (layer._variance, variance)):  # as Paddle's, in float32
+            paddle.assign(paddle.to_tensor(running.numpy() * keep + batch.astype(np.float32) * rest), running)
         ctx.save_for_backward(x)
         ctx.kept = (weight, bias, m, mean, inv_std, scale, count)
         return y
@@ -107,7 +116,7 @@ class _GlobalNorm(PyLayer):
         (x,) = ctx.saved_tensor()
         weight, bias, m, mean, inv_std, scale, count = ctx.kept
         c = x.shape[1]
-        sums = m.rows(fastpath.plane_sums(grad_out, x)).sum(axis=0)
+        sums = _channel_sums(m, fastpath.plane_sums(grad_out, x))
         grad_bias = sums[:c]  # the sum of dy
         grad_weight = inv_std * (sums[c:] - mean * grad_bias)  # the sum of dy * (x - mean) / std
         b = -scale * inv_std * grad_weight / count
@@ -116,12 +125,12 @@ class _GlobalNorm(PyLayer):
         return grad_x, _hand_over(weight, grad_weight, m), _hand_over(bias, grad_bias, m)
 
 
-def _hand_over(param: paddle.Tensor, total: paddle.Tensor, m: Meeting) -> paddle.Tensor | None:
+def _hand_over(param: paddle.Tensor, total: np.ndarray, m: Meeting) -> paddle.Tensor | None:
     if param.stop_gradient:
         return None
     if exact.collecting():
-        return exact.hand_over(param, total if m.lead else paddle.zeros_like(total))
-    return (total * (1.0 / m.world)).astype("float32")
+        return exact.hand_over(param, paddle.to_tensor(total if m.lead else np.zeros_like(total)))
+    return paddle.to_tensor((total * (1.0 / m.world)).astype(np.float32))
 
 
 class BatchNorm2D(nn.BatchNorm2D):
