@@ -287,7 +287,7 @@ def _gpus(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--sync-bn",
         action="store_true",
-        help="batch norm statistics over the whole global batch instead of each worker's shard (GPU only)",
+        help="batch norm over the whole global batch, not each worker's shard (on CPU: as one process, to the bit)",
     )
     p.add_argument(
         "--amp",
