@@ -115,17 +115,22 @@ def test_micro_batch_i_of_every_worker_is_the_global_micro_batch_i():
             assert list(together) == list(range(i * micro, (i + 1) * micro))
 
 
+def trained_alone(root: Path, extra: list[str]) -> Path:
+    """The job in one process (with extra flags): its output folder."""
+    proc = run_single([*JOB, *extra, "--output-dir", str(root)], cwd=root.parent)
+    assert proc.returncode == 0, explain(proc)
+    assert LINE.replace("96 images", "32 images (a micro-batch)" if extra else "96 images") in proc.stdout
+    return root
+
+
 @pytest.fixture(scope="module")
-def alone(tmp_path_factory) -> dict[str, Path]:
-    """The job in one process, and with 3 micro-batches: rank 0's output folders."""
-    root = tmp_path_factory.mktemp("alone")
-    out = {}
-    for name, extra in (("whole", []), ("micro", ["--accum-steps", "3"])):
-        proc = run_single([*JOB, *extra, "--output-dir", str(root / name)], cwd=root)
-        assert proc.returncode == 0, explain(proc)
-        assert LINE.replace("96 images", "32 images (a micro-batch)" if extra else "96 images") in proc.stdout
-        out[name] = root / name
-    return out
+def whole(tmp_path_factory) -> Path:
+    return trained_alone(tmp_path_factory.mktemp("alone") / "whole", [])
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory) -> Path:
+    return trained_alone(tmp_path_factory.mktemp("alone") / "micro", ["--accum-steps", "3"])
 
 
 def same_weights(a: Path, b: Path) -> None:
@@ -137,7 +142,7 @@ def same_weights(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("split", ["2 workers", "3 workers", "2 workers x 3 micro-batches"])
-def test_workers_train_one_processs_weights_and_statistics_with_batch_norm(alone, tmp_path, split):
+def test_workers_train_one_processs_weights_and_statistics_with_batch_norm(request, tmp_path, split):
     """Fails without --sync-bn's global statistics: each worker would normalise by its own 48 or 32 images. Every
     rank's digest covers its running statistics, which no average evenened out (none is taken)."""
     workers = int(split.split()[0])
@@ -145,24 +150,24 @@ def test_workers_train_one_processs_weights_and_statistics_with_batch_norm(alone
     args = [*JOB, *extra, "--output-dir", str(tmp_path / "out")]
     proc = run_launch(args, tmp_path, tmp_path / "log", ["--nproc_per_node", str(workers)])
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
-    same_weights(alone["micro" if extra else "whole"], tmp_path / "out")
+    same_weights(request.getfixturevalue("micro" if extra else "whole"), tmp_path / "out")
     digests = {param_digest(worker_log(tmp_path / "log", r)) for r in range(workers)}
     assert len(digests) == 1
 
 
 @pytest.mark.slow
-def test_without_sync_bn_two_workers_train_other_weights(alone, tmp_path):
+def test_without_sync_bn_two_workers_train_other_weights(whole, tmp_path):
     """The check above can fail: per-worker statistics part from one process's within 15 steps."""
     args = [a for a in JOB if a != "--sync-bn"] + ["--output-dir", str(tmp_path / "out")]
     proc = run_launch(args, tmp_path, tmp_path / "log")
     assert proc.returncode == 0, explain(proc, tmp_path / "log")
     assert "batch norm: statistics of each worker's 48 images; --sync-bn normalises" in worker_log(tmp_path / "log", 0)
     with pytest.raises(AssertionError, match="apart"):
-        same_weights(alone["whole"], tmp_path / "out")
+        same_weights(whole, tmp_path / "out")
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_workers_resumes_on_three_to_one_processs_bits(alone, tmp_path):
+def test_a_checkpoint_of_two_workers_resumes_on_three_to_one_processs_bits(whole, tmp_path):
     out = tmp_path / "out"
     first = run_launch([*JOB, "--output-dir", str(out), "--max-steps", "7"], tmp_path, tmp_path / "l2")
     assert first.returncode == 0, explain(first, tmp_path / "l2")
@@ -170,7 +175,7 @@ def test_a_checkpoint_of_two_workers_resumes_on_three_to_one_processs_bits(alone
     again = run_launch([*JOB, "--output-dir", str(out), "--resume"], tmp_path, tmp_path / "l3", three)
     assert again.returncode == 0, explain(again, tmp_path / "l3")
     assert "resumed from" in worker_log(tmp_path / "l3", 2)
-    same_weights(alone["whole"], out)
+    same_weights(whole, out)
 
 
 @pytest.mark.slow
