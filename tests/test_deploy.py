@@ -306,7 +306,7 @@ SNIPPETS = [(page.name, i, block) for page in DOC_PAGES for i, block in enumerat
 
 def test_the_docs_hold_python_snippets_to_check():
     pages = {name for name, _, _ in SNIPPETS}
-    assert {"README.md", "training.md", "deploy.md"} <= pages
+    assert {"README.md", "runs.md", "deploy.md"} <= pages
     assert sum(name == "deploy.md" for name, _, _ in SNIPPETS) == 3
 
 
