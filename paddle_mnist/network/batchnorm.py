@@ -156,7 +156,12 @@ def over_global_batch(net: nn.Layer) -> int:
     return len(layers)
 
 
+def norm_layers(net: nn.Layer) -> list[nn.Layer]:
+    """net's batch norm layers of any kind (Paddle's, this module's, SyncBatchNorm)."""
+    return [layer for layer in net.sublayers(include_self=True) if isinstance(layer, nn.layer.norm._BatchNormBase)]
+
+
 def spans_global_batch(net: nn.Layer) -> bool:
     """Whether net has batch norm and every batch norm layer of it normalises over the global batch."""
-    norms = [layer for layer in net.sublayers(include_self=True) if isinstance(layer, nn.layer.norm._BatchNormBase)]
+    norms = norm_layers(net)
     return bool(norms) and all(getattr(layer, "spans_global_batch", False) for layer in norms)

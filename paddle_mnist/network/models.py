@@ -62,10 +62,6 @@ def sums_exactly(model: nn.Layer) -> bool:
     return True
 
 
-def has_batch_norm(model: nn.Layer) -> bool:
-    return any(isinstance(layer, nn.layer.norm._BatchNormBase) for layer in model.sublayers(include_self=True))
-
-
 def runs_blocked(net: nn.Layer, x: paddle.Tensor) -> bool:
     """Whether a network of conv modules runs x blocked (fastpath.blocks_now): not in training with batch norm over
     the global batch, which runs NCHW by batchnorm.py (csrc/blocked.cc's batch norm is per worker)."""

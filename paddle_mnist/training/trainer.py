@@ -33,7 +33,7 @@ from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import checkpoint, report
 from paddle_mnist.files.log import memory_mb
-from paddle_mnist.network import batchnorm, models, summary, whiten
+from paddle_mnist.network import batchnorm, summary, whiten
 from paddle_mnist.network.models import build_model, count_parameters
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu, distributed, launch, waiting
@@ -173,7 +173,7 @@ def _exactness(cfg: Config, env: DistEnv, state: TrainState) -> list[str]:
         lines.append(f"batch norm: statistics over the global batch of {per}, on every worker (--sync-bn)")
     elif cfg.sync_bn:
         lines.append("batch norm: SyncBatchNorm over the global batch (--sync-bn)")
-    elif models.has_batch_norm(state.model) and env.device == "cpu" and env.world_size > 1:
+    elif batchnorm.norm_layers(state.model) and env.device == "cpu" and env.world_size > 1:
         lines.append(
             f"batch norm: statistics of each worker's {cfg.batch_size // env.world_size // cfg.accum_steps} images; "
             "--sync-bn normalises over the global batch, and then any number of workers trains one process's weights"
@@ -182,7 +182,7 @@ def _exactness(cfg: Config, env: DistEnv, state: TrainState) -> list[str]:
         lines.append(
             "gradients: each step's summed in float64 and rounded once (network/exact.py): any number of workers "
             "or --accum-steps trains the weights of one process, to the bit"
-            + (" (with batch norm: at the same --accum-steps)" if models.has_batch_norm(state.model) else "")
+            + (" (with batch norm: at the same --accum-steps)" if batchnorm.norm_layers(state.model) else "")
         )
     return lines
 
