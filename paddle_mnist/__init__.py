@@ -8,12 +8,16 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """paddle_mnist.Predictor and paddle_mnist.load_model, imported when first asked for, so that importing the
-    package loads no Paddle."""
+    """paddle_mnist.train, paddle_mnist.Predictor and paddle_mnist.load_model, imported when first asked for, so
+    that importing the package loads no Paddle."""
     if name == "Predictor":
         from paddle_mnist.deploy.predictor import Predictor
 
         return Predictor
+    if name == "train":
+        from paddle_mnist.training.api import train
+
+        return train
     if name == "load_model":
         from paddle_mnist.deploy.weights import load_model
 

@@ -10,9 +10,9 @@ import signal
 import sys
 import traceback
 
-from paddle_mnist.config import Config, ConfigError, parse_args
-from paddle_mnist.datasets import augment, data
-from paddle_mnist.files import checkpoint, dashboard, events
+from paddle_mnist.config import Config, ConfigError
+from paddle_mnist.datasets import data
+from paddle_mnist.files import checkpoint, events
 from paddle_mnist.files.log import get_logger
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu, distributed, launch, waiting
@@ -21,6 +21,7 @@ from paddle_mnist.runtime.local_sum import SumTimeout
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, exit_code, signal_name
 from paddle_mnist.training import chance, engine
+from paddle_mnist.training.api import configure
 from paddle_mnist.training.outputs import WriteFailed
 from paddle_mnist.training.trainer import ExportFailed, train_and_evaluate
 
@@ -44,15 +45,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_command(argv: list[str] | None = None) -> Config:
-    """The command line as a Config, every flag checked on every rank before any worker starts: config.parse_args's
-    checks, then those that ask a room above the configuration (the augmentation's mirror policy for --tta, the
-    dashboard's package for --visualdl)."""
-    cfg = parse_args(argv)
-    if cfg.tta and (problem := augment.tta_problem(cfg.dataset, cfg.flip)):
-        raise ConfigError(problem)
-    if cfg.visualdl and (problem := dashboard.missing()):
-        raise ConfigError(problem)
-    return cfg
+    """The command line (over its --config file) as a Config, every flag checked on every rank before any worker
+    starts (api.configure)."""
+    return configure(argv)
 
 
 def _run_command(argv: list[str] | None) -> int:

@@ -1,8 +1,6 @@
-"""The run's configuration: one frozen dataclass, parsed from the command line, checked, then resolved once.
-
-Long because every flag lives here with its default, its model recipe and its check, so --help, the
-validation and config.json read one source.
-"""
+"""The run's configuration: one frozen dataclass, parsed from the command line, checked, then resolved once. Every
+flag lives here with its default, its model recipe and its check, so --help, the checks and config.json read one
+source."""
 
 from __future__ import annotations
 
@@ -72,6 +70,9 @@ RECIPES = {
     "mobilenet_v3_small": Recipe(lr=0.05, warmup_epochs=0.2, epochs=8, weight_decay=1e-4),
 }
 RECIPE_FLAGS = tuple(f.name for f in dataclasses.fields(Recipe))
+# the options whose default the run works out (None in the parser), in Config's order: what a bare command leaves
+OPEN_DEFAULTS = ("data_dir", "augment", "shift", "epochs", "batch_size", "lr", "warmup_epochs", "label_smoothing")
+OPEN_DEFAULTS += ("whiten", "nesterov", "weight_decay", "init_lr_scale", "freeze_epochs", "collective_timeout")
 
 
 def recipe_table() -> str:
@@ -156,6 +157,7 @@ class Config:
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
     classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in by resolve
     from_recipe: tuple[str, ...] = RECIPE_FLAGS  # not a flag: the RECIPE_FLAGS the command line left to the recipe
+    unset: tuple[str, ...] = OPEN_DEFAULTS  # not a flag: the options left to a default the run works out (args.yaml)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -192,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         epilog=recipe_table(),
         formatter_class=HelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        default=argparse.SUPPRESS,
+        metavar="FILE",
+        help="a YAML or JSON file of options (keys as the flags', - or _), e.g. a run's OUTPUT_DIR/args.yaml; "
+        "a flag on the command line wins over the file",
     )
     d = Config()
     for add in (_data, _length, _batch, _gpus, _optimiser, _evaluation, _sample, _outputs, _runtime, _start, _folder):
@@ -606,9 +615,16 @@ def profile_window(text: str) -> tuple[int, int] | None:
     return first, last
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Parse the command line into a Config; argparse exits with status 2 on malformed flags."""
-    ns = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None, file_values: dict | None = None) -> Config:
+    """Parse the command line into a Config; argparse exits with status 2 on malformed flags. file_values: the
+    options of --config's file as the parser's own values (files/options.py reads and checks them): the defaults
+    that the command line's flags override."""
+    parser = build_parser()
+    parser.set_defaults(**(file_values or {}))
+    ns = parser.parse_args(argv)
+    if getattr(ns, "config", None) and file_values is None:
+        raise ConfigError("--config is read by the command line (training/api.configure), not by parse_args")
+    ns.unset = tuple(f.name for f in dataclasses.fields(Config) if getattr(ns, f.name, 0) is None)
     ns.from_recipe = tuple(name for name in RECIPE_FLAGS if getattr(ns, name) is None)
     for name in ns.from_recipe:
         setattr(ns, name, getattr(RECIPES[ns.model], name))
@@ -729,7 +745,7 @@ def image_shape(cfg: Config) -> tuple[int, int, int]:
 def load_config(path: Path) -> Config:
     fields = {f.name for f in dataclasses.fields(Config)}
     raw = json.loads(Path(path).read_text())
-    for key in ("classes", "from_recipe"):
+    for key in ("classes", "from_recipe", "unset"):
         if key in raw:
             raw[key] = tuple(raw[key])
     return Config(**{k: v for k, v in raw.items() if k in fields})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -73,6 +74,20 @@ class StopSignals:
         threading.Thread(target=self._listen, name="stop-signals", daemon=True).start()
         return self
 
+    @contextlib.contextmanager
+    def installed(self):
+        """install() for a while, in a process that goes on afterwards (train() in a notebook): then the handlers
+        and wakeup fd found before are put back and the listening thread ends."""
+        before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        self.install()
+        try:
+            yield self
+        finally:
+            signal.set_wakeup_fd(-1)
+            for s, handler in before.items():
+                signal.signal(s, handler)
+            self._writer.close()  # the listener reads the end of the stream and returns
+
     def watch_launcher(self) -> StopSignals:
         """A SIGTERM when the launcher that started this worker dies, logged as such (orphan.py). After install()."""
         launcher = Launcher()
@@ -82,8 +97,8 @@ class StopSignals:
         return self
 
     def _listen(self) -> None:
-        while True:
-            for signum in self._reader.recv(64):
+        while received := self._reader.recv(64):
+            for signum in received:
                 if signum in STOP_SIGNALS:
                     self._received(signum, time.monotonic())
 

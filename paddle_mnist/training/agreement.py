@@ -38,7 +38,7 @@ def job_facts(cfg: Config, convolutions: str) -> dict[str, object]:
     facts: dict[str, object] = {
         f"--{f.name.replace('_', '-')}": getattr(cfg, f.name)
         for f in dataclasses.fields(cfg)
-        if f.name not in PER_MACHINE and f.name not in ("classes", "from_recipe")
+        if f.name not in PER_MACHINE and f.name not in ("classes", "from_recipe", "unset")
     }
     facts["paddle_mnist's code (a digest of its sources)"] = code_digest()
     facts["Paddle's version"] = paddle.__version__

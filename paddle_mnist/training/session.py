@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from paddle_mnist.config import Config, profile_window, tta_each_epoch
@@ -125,6 +126,7 @@ class Session:
         resumed: Path | None,
         levels: chance.LossLevels,
         eval_images: int,
+        hooks: Sequence[Callable[[int, dict], object]] = (),
     ):
         self.cfg, self.env, self.log, self.state, self.files = cfg, env, log, state, files
         self.checkpoints = checkpoints
@@ -144,6 +146,7 @@ class Session:
         self.clock = timing.RunClock()
         # set by meet(): which rank took the stop signal, where this one took none, and whether its launcher went away
         self.sender: tuple[int, bool] | None = None
+        self.hooks = hooks  # train()'s callbacks, on_epoch_end(epoch, metrics): a true return ends the run
 
     def __enter__(self) -> Session:
         if signum := self.meet(self.state.step):  # a signal during start-up: data, model, checkpoint loading
@@ -272,11 +275,23 @@ class Session:
         if cfg.target_acc and val.acc >= cfg.target_acc:  # the same figure on every rank: all stop here
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True
+        if self.hooks and self._hooks_end_run(row):
+            return True
         # the loss is summed over all workers and the steps are the same everywhere: every rank stops here alike
         if chance.stall_judged(state.step - stats.steps, self.warmup_steps) and self.levels.stalled(stats.loss):
             self.stalled = chance.stall_message(self.levels, stats.loss, state.step, row["epoch"], cfg.output_dir)
             return True
         return False
+
+    def _hooks_end_run(self, row: dict) -> bool:
+        """Whether a callback ended the run after this epoch, on any rank (then on every one: the ranks agree)."""
+        asked = any([bool(hook(row["epoch"], dict(row))) for hook in self.hooks])  # every hook runs
+        if not distributed.all_reduce_max_values([asked], self.env)[0]:
+            return False
+        self.log.info(
+            f"a callback ended the run after epoch {row['epoch']}; its checkpoint is kept: resume='auto' trains on"
+        )
+        return True
 
     def verdict(self, acc: float, level: chance.AccuracyLevel) -> chance.Verdict:
         """Whether the run learned anything, from its final test accuracy (or its stall); a warning when the

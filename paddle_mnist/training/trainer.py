@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import socket
+import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +34,7 @@ from paddle_mnist.config import (
 from paddle_mnist.datasets import augment, data, folder
 from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
-from paddle_mnist.files import checkpoint, report
+from paddle_mnist.files import checkpoint, options, report
 from paddle_mnist.files.log import memory_mb
 from paddle_mnist.network import batchnorm, summary, whiten
 from paddle_mnist.network.models import build_model, count_parameters
@@ -296,13 +299,16 @@ def train_and_evaluate(
     lock: RunLock,
     stop: StopSignals | None = None,
     convolutions: onednn.Prepared | None = None,
+    hooks: Sequence[Callable[[int, dict], object]] = (),
+    command: str | None = None,
 ) -> dict:
     """The job on this worker: data, model, resume, train epoch by epoch, then the final weights, the test score,
     results.json and the export; its results. flags: the command line's configuration, which the run resolves once,
     with the world size and the data's facts (config.resolve), before anything is trained or written. lock: the
     run's lock on --output-dir, the caller's to release (rank 0 takes it here, once the output directory is judged);
     stop: the installed signal handlers (none: a signal is never recorded); convolutions: oneDNN's operator as
-    prepared before the process group (none: prepared here)."""
+    prepared before the process group (none: prepared here); hooks: train()'s on_epoch_end callbacks (Session);
+    command: what started the run, for args.yaml's header (None: this process's command line)."""
     stop = stop or StopSignals()  # not installed: no signal is ever recorded
     batch = global_batch(flags, env.world_size)  # a batch the workers cannot split is refused before the data is read
     threads = _check_start(flags, env)
@@ -345,6 +351,7 @@ def train_and_evaluate(
     if resumed:
         checkpoints.resume(state, resumed)
     files.start(state.epoch if resumed else None, state.step, log)
+    files.write_text(options.ARGS_FILE, options.args_yaml(flags, command or shlex.join([sys.executable, *sys.argv])))
     if table:
         files.write_text(MODEL_SUMMARY, table)
     state.start(env)
@@ -366,6 +373,7 @@ def train_and_evaluate(
         resumed=resumed,
         levels=levels,
         eval_images=len(val_split),
+        hooks=hooks,
     )
     with session:
         while session.training():
