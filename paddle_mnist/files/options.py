@@ -8,6 +8,7 @@ option, before any worker starts. train() in Python takes its keyword options th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import time
@@ -20,6 +21,8 @@ from paddle_mnist.config import Config, ConfigError, build_parser
 
 ARGS_FILE = "args.yaml"  # in the output directory: the run's options, read back by --config
 NOT_OPTIONS = ("help", "config")  # parser entries that are no option of a run
+_FIELD_TYPES = {f.name: str(f.type) for f in dataclasses.fields(Config)}  # "int", "float", "str | None", ...
+_KINDS = {"int": "a whole number", "float": "a number", "str": "a text"}
 
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -46,8 +49,8 @@ def _value(key: str, value: object, action: argparse.Action, where: str) -> obje
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: {key} is true or false, got {value!r}")
         return value
+    kind = _KINDS.get(_FIELD_TYPES[key].split(" ")[0], "a single value")
     if isinstance(value, (bool, list, dict)):
-        kind = "a number" if action.type in (int, float) else "a single value"
         raise ConfigError(f"{where}: {key} takes {kind} as {_flag(action)} does, got {value!r}")
     text = str(value)
     try:
@@ -55,8 +58,7 @@ def _value(key: str, value: object, action: argparse.Action, where: str) -> obje
     except argparse.ArgumentTypeError as e:
         raise ConfigError(f"{where}: {key}: {e}") from None
     except ValueError:
-        name = {int: "a whole number", float: "a number"}.get(action.type, "a whole number")
-        raise ConfigError(f"{where}: {key} takes {name}, got {value!r}") from None
+        raise ConfigError(f"{where}: {key} takes {kind}, got {value!r}") from None
     if action.choices is not None and converted not in action.choices:
         raise ConfigError(f"{where}: {key} is one of {', '.join(map(str, action.choices))}; got {value!r}")
     return converted

@@ -3,6 +3,7 @@ checkpoint, the epoch's row and log lines, the watchdog, the profiler window, an
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -285,7 +286,8 @@ class Session:
 
     def _hooks_end_run(self, row: dict) -> bool:
         """Whether a callback ended the run after this epoch, on any rank (then on every one: the ranks agree)."""
-        asked = any([bool(hook(row["epoch"], dict(row))) for hook in self.hooks])  # every hook runs
+        metrics = json.loads(json.dumps(row))  # as metrics.jsonl holds it: plain numbers, a copy for each hook
+        asked = any([bool(hook(row["epoch"], metrics)) for hook in self.hooks])  # every hook runs
         if not distributed.all_reduce_max_values([asked], self.env)[0]:
             return False
         self.log.info(
