@@ -32,7 +32,7 @@ META = "inference_meta.json"  # the export's metadata, which records the run's n
 @dataclasses.dataclass(frozen=True)
 class Source:
     ds: data.Dataset
-    where: str  # the folder the images came from
+    where: str  # the folder the images came from (a labels run's: its label files)
     note: str = ""  # what the split stands for, where it is not plain (a folder without test/)
 
 
@@ -61,7 +61,7 @@ def load_source(cfg: Config, data_dir: str | None, out: Path) -> Source:
         return Source(ds, shown)
     own_labels = cfg.labels and not data_dir  # the run's label files, as its config.json names them
     listing, caches = labels.source(cfg) if own_labels else (folder.list_folder(where), None)
-    shown = listing.where("train") if own_labels else str(listing.root)
+    shown = ", ".join(str(f.path) for f in listing.label_files.values()) if own_labels else str(listing.root)
     check_classes(listing.classes, cfg, shown, out)
     channels, height, width = image_shape(cfg)
     request = folder.Request((width, height), channels, cfg.val_split, cfg.skip_bad_images)
