@@ -277,7 +277,7 @@ def test_label_files_train_the_weights_their_class_folders_train(cifar, tmp_path
 
 
 @pytest.mark.slow
-def test_a_label_file_past_its_share_of_bad_rows_stops_the_run_with_one_line(cifar, tmp_path):
+def test_a_label_file_past_its_share_of_bad_rows_or_beside_data_dir_stops_the_run_with_one_line(cifar, tmp_path):
     rows = ["path,label", *(f"train/cat/{i:04d}.jpg,cat" for i in range(40)), "train/dog/0000.jpg,dog"]
     rows += ["train/dog/0001.jpg dog"]  # a PaddleClas row in a CSV: 1 bad row of 42
     (tmp_path / "train.csv").write_text("\n".join(rows).replace("train/", f"{cifar}/train/") + "\n")
@@ -287,3 +287,10 @@ def test_a_label_file_past_its_share_of_bad_rows_stops_the_run_with_one_line(cif
     (line,) = [x for x in (proc.stdout + proc.stderr).splitlines() if "error:" in x]
     assert re.search(r"train\.csv: 1 of its 42 rows are bad \(train\.csv:43: 1 fields where the header has 2\)", line)
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+    proc = run_single([*args, "--data-dir", str(cifar)], tmp_path)
+    assert proc.returncode == 2, explain(proc)
+    (line,) = [x for x in (proc.stdout + proc.stderr).splitlines() if "error:" in x]
+    assert line.endswith(
+        "--labels and --data-dir both name the training images: keep --labels FILE (its paths are "
+        "relative to its folder) or --data-dir DIR (DIR/train/<class>/), not both"
+    )
