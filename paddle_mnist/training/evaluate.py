@@ -118,7 +118,7 @@ def pick_split(source: Source, name: str, limit: int = 0) -> data.Split:
         why = (
             f"{ds.name} has no validation split (the trainer scores its test split after each epoch)"
             if ds.name != FOLDER
-            else f"{source.where} has no val/ and nothing was held out of train/ (--val-split 0)"
+            else f"{source.where} has no val/ (or --val-labels) and nothing was held out (--val-split 0)"
         )
         raise data.DataError(f"--split val: {why}; pass --split test")
     return (ds.test if name == "test" else ds.val).head(limit)
