@@ -154,6 +154,9 @@ class Config:
     val_split: float = 0.1  # share of each class of train/ held out for validation when there is no val/
     flip: bool = False  # the classes are mirror-symmetric: --augment flips and --tta is allowed
     skip_bad_images: bool = False  # leave unreadable images out (listed in the log) instead of refusing the folder
+    labels: str = ""  # in place of data_dir: the training images' label file (datasets/labels.py)
+    val_labels: str = ""  # with labels: the validation images' label file ("": val_split of its rows held out)
+    test_labels: str = ""  # with labels: the test images' label file ("": none)
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
     classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in by resolve
     from_recipe: tuple[str, ...] = RECIPE_FLAGS  # not a flag: the RECIPE_FLAGS the command line left to the recipe
@@ -518,6 +521,22 @@ def _folder(p: argparse.ArgumentParser, d: Config) -> None:
         action="store_true",
         help="leave unreadable images out and list them in the log, instead of refusing the folder",
     )
+    folder.add_argument(
+        "--labels",
+        default=d.labels,
+        metavar="FILE",
+        help="in place of --data-dir: the training images listed in FILE, a CSV with a path,label header or "
+        "PaddleClas's 'path label' lines; paths relative to FILE's folder, class names the labels",
+    )
+    folder.add_argument(
+        "--val-labels",
+        default=d.val_labels,
+        metavar="FILE",
+        help="with --labels: the validation images' label file ('': --val-split of --labels' rows held out)",
+    )
+    folder.add_argument(
+        "--test-labels", default=d.test_labels, metavar="FILE", help="with --labels: the test images' label file"
+    )
     p.set_defaults(classes=d.classes)
 
 
@@ -541,13 +560,27 @@ def _check_folder_flags(cfg: Config) -> None:
             verb = "apply" if len(given) > 1 else "applies"
             raise ConfigError(f"{', '.join(given)} {verb} to --dataset folder only: drop it or pass --dataset folder")
         return
-    if not cfg.data_dir:
-        raise ConfigError("--dataset folder needs --data-dir: the folder holding train/<class>/ (and val/, test/)")
+    if cfg.labels and cfg.data_dir:
+        raise ConfigError(
+            "--labels and --data-dir both name the training images: keep --labels FILE (its paths are relative to "
+            "its folder) or --data-dir DIR (DIR/train/<class>/), not both"
+        )
+    if not cfg.labels and (cfg.val_labels or cfg.test_labels):
+        raise ConfigError("--val-labels and --test-labels go with --labels: add --labels FILE for the training images")
+    if not cfg.data_dir and not cfg.labels:
+        raise ConfigError(
+            "--dataset folder needs --data-dir: the folder holding train/<class>/ (and val/, test/), or --labels FILE"
+        )
     image_size(cfg.image_size)
     if not 0 <= cfg.val_split < 1:
         raise ConfigError(
             f"--val-split is a share of train/ from 0 (hold out nothing; test/ is scored each epoch) to below 1, "
             f"e.g. 0.1; got {cfg.val_split}"
+        )
+    if cfg.labels and cfg.val_split == 0 and not (cfg.val_labels or cfg.test_labels):
+        raise ConfigError(
+            "--val-split 0 holds none of --labels' rows out, and there is no --test-labels to score each epoch on; "
+            "pass --test-labels FILE (or --val-labels FILE), or --val-split 0.1"
         )
 
 
@@ -557,6 +590,9 @@ _FOLDER_FLAGS = {
     "--val-split": "val_split",
     "--flip": "flip",
     "--skip-bad-images": "skip_bad_images",
+    "--labels": "labels",
+    "--val-labels": "val_labels",
+    "--test-labels": "test_labels",
 }
 
 

@@ -34,7 +34,7 @@ def test_the_same_command_agrees_and_per_machine_flags_may_differ():
 def test_a_differing_flag_is_named_with_both_values(theirs, named):
     line = agreement.disagreement([facts(), facts(*theirs)])
     assert named in line and line.startswith("the ranks disagree on ") and "\n" not in line
-    assert "only --data-dir, --output-dir and --cpu-threads may differ" in line
+    assert "only --data-dir, the label files, --output-dir and --cpu-threads may differ" in line
 
 
 def test_the_code_paddle_and_convolutions_are_compared_too():

@@ -18,7 +18,7 @@ import shutil
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,11 +59,26 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class LabelFile:
+    """A label file a split was listed from (--labels, datasets/labels.py)."""
+
+    path: Path
+    sha256: str  # of its contents: a relabelled row changes the cache's identity, where no image file changed
+    rows: int  # rows that name an image, bad ones included
+    bad: tuple[str, ...]  # the rows left out, "name:line: why"
+
+
+@dataclass(frozen=True)
 class Listing:
-    root: Path
+    root: Path  # the folder; for label files, the --labels file's folder, which Entry.path is relative to
     classes: tuple[str, ...]
     splits: dict[str, list[Entry]]  # "train", and "val" (val/ or valid/) and "test" when the folder has them
     ignored: tuple[str, ...]  # files that are not images by their extension (e.g. notes.txt)
+    label_files: dict[str, LabelFile] = field(default_factory=dict)  # by split, where listed from label files
+
+    def where(self, split: str) -> str:
+        """What a message names for a split's images: its label file, or the split's folder."""
+        return str(self.label_files[split].path) if split in self.label_files else str(self.root / split)
 
 
 @dataclass(frozen=True)
@@ -258,9 +273,10 @@ def plan_splits(listing: Listing, val_split: float) -> dict[str, list[Entry]]:
             share = min(round(val_split * len(entries)), len(entries) - 1)
             held.update(e.path for e in entries[:share])
         if not held:
+            other = "pass --val-labels FILE" if listing.label_files else "add a val/ folder"
             raise DataError(
-                f"{listing.root / 'train'}: --val-split {val_split} of so few images per class holds out none; "
-                "add a val/ folder, or raise --val-split"
+                f"{listing.where('train')}: --val-split {val_split} of so few images per class holds out none; "
+                f"{other}, or raise --val-split"
             )
         plan["val"] = [e for e in plan["train"] if e.path in held]
         plan["train"] = [e for e in plan["train"] if e.path not in held]
@@ -277,13 +293,17 @@ def default_cache_dir(root: Path) -> Path:
 
 
 def _identity(listing: Listing) -> dict:
-    """What a cache must have been built from to be used: these very files (path, size, mtime), this code."""
-    return {
+    """What a cache must have been built from to be used: these very files (path, size, mtime), this code, and
+    the label files' contents where the labels came from them rather than from the files' folders."""
+    identity = {
         "format": FORMAT,
         "preprocess": preprocess.VERSION,
         "classes": list(listing.classes),
         "files": {s: [[e.path, e.size, e.mtime_ns] for e in entries] for s, entries in listing.splits.items()},
     }
+    if listing.label_files:  # only then: a folder's caches keep the identity they were built with
+        identity["label_files"] = {s: f.sha256 for s, f in listing.label_files.items()}
+    return identity
 
 
 def read_manifest(cache: Path) -> dict | None:
@@ -635,6 +655,12 @@ def _check_every_class_trains(listing: Listing, train: list[Entry], bad: int) ->
     """--skip-bad-images may have left a class without any training image."""
     left = {e.label for e in train}
     empty = [name for label, name in enumerate(listing.classes) if label not in left]
+    if empty and listing.label_files:
+        more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise DataError(
+            f"{listing.where('train')}: no readable training image of class {empty[0]}{more} is left ({bad} "
+            "unreadable files skipped); replace the unreadable files, or remove the class's rows"
+        )
     if empty:
         more = f" (and {len(empty) - 1} more classes)" if len(empty) > 1 else ""
         raise DataError(

@@ -19,8 +19,8 @@ from paddle_mnist.config import Config, ConfigError
 from paddle_mnist.runtime import distributed
 from paddle_mnist.runtime.distributed import DistEnv
 
-# flags a machine may set for itself: where its files are, and how many of its cores to use
-PER_MACHINE = frozenset({"data_dir", "output_dir", "cpu_threads"})
+# flags a machine may set for itself: where its files (and label files) are, and how many of its cores to use
+PER_MACHINE = frozenset({"data_dir", "labels", "val_labels", "test_labels", "output_dir", "cpu_threads"})
 PACKAGE = Path(__file__).resolve().parents[1]  # the whole package, every room
 
 
@@ -68,7 +68,8 @@ def disagreement(facts_by_rank: list[dict[str, object]]) -> str | None:
             theirs = "; ".join(f"{_shown(v)} on rank {r}" for r, v in others.items())
             return (
                 f"the ranks disagree on {name}: {_shown(first[name])} on rank 0, {theirs}; start every machine with "
-                "the same command, code, Paddle and data (only --data-dir, --output-dir and --cpu-threads may differ)"
+                "the same command, code, Paddle and data (only --data-dir, the label files, --output-dir and "
+                "--cpu-threads may differ)"
             )
     return None
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from paddle_mnist.config import CONFIG_FILE, FOLDER, Config, ConfigError, image_shape, load_config
-from paddle_mnist.datasets import data, folder
+from paddle_mnist.datasets import data, folder, labels
 from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.files import report
 from paddle_mnist.files.log import quiet_paddle
@@ -32,7 +32,7 @@ META = "inference_meta.json"  # the export's metadata, which records the run's n
 @dataclasses.dataclass(frozen=True)
 class Source:
     ds: data.Dataset
-    where: str  # the folder the images came from
+    where: str  # the folder the images came from (a labels run's: its label files)
     note: str = ""  # what the split stands for, where it is not plain (a folder without test/)
 
 
@@ -59,14 +59,21 @@ def load_source(cfg: Config, data_dir: str | None, out: Path) -> Source:
         shown = where or str(REPO_DATA / cfg.dataset)
         check_classes(ds.classes, cfg, shown, out)
         return Source(ds, shown)
-    listing = folder.list_folder(where)
-    check_classes(listing.classes, cfg, str(listing.root), out)
+    own_labels = cfg.labels and not data_dir  # the run's label files, as its config.json names them
+    listing, caches = labels.source(cfg) if own_labels else (folder.list_folder(where), None)
+    shown = ", ".join(str(f.path) for f in listing.label_files.values()) if own_labels else str(listing.root)
+    check_classes(listing.classes, cfg, shown, out)
     channels, height, width = image_shape(cfg)
     request = folder.Request((width, height), channels, cfg.val_split, cfg.skip_bad_images)
-    cache = folder.ensure_cache(listing, request, folder.default_cache_dir(listing.root), _log())
+    cache = folder.ensure_cache(listing, request, caches or folder.default_cache_dir(listing.root), _log())
     ds, _ = folder.load(listing, request, cache)
-    note = "" if "test" in listing.splits else "no test/ folder: the images held out of train/, as the run scored"
-    return Source(ds, str(listing.root), note)
+    if "test" in listing.splits:
+        note = ""
+    elif own_labels:
+        note = "no --test-labels: the rows held out of --labels, as the run scored"
+    else:
+        note = "no test/ folder: the images held out of train/, as the run scored"
+    return Source(ds, shown, note)
 
 
 def check_classes(classes: tuple[str, ...], cfg: Config, where: str, out: Path) -> None:
@@ -111,7 +118,7 @@ def pick_split(source: Source, name: str, limit: int = 0) -> data.Split:
         why = (
             f"{ds.name} has no validation split (the trainer scores its test split after each epoch)"
             if ds.name != FOLDER
-            else f"{source.where} has no val/ and nothing was held out of train/ (--val-split 0)"
+            else f"{source.where} has no val/ (or --val-labels) and nothing was held out (--val-split 0)"
         )
         raise data.DataError(f"--split val: {why}; pass --split test")
     return (ds.test if name == "test" else ds.val).head(limit)

@@ -31,7 +31,7 @@ from paddle_mnist.config import (
     starts_from_weights,
     tta_each_epoch,
 )
-from paddle_mnist.datasets import augment, data, folder
+from paddle_mnist.datasets import augment, data, folder, labels
 from paddle_mnist.datasets.datafiles import REPO_DATA
 from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.files import checkpoint, options, report
@@ -205,15 +205,15 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals
     """The dataset, and its facts the configuration is resolved with (the class names, the training images, and for
     a folder the image size and channels it uses).
 
-    A folder is listed and checked by every rank; its cache is built by the first worker of each machine while the
-    others wait in the job's key-value store (waiting.Meeting), however long the decoding takes, and every rank
-    learns whether that worked before any of them goes on.
+    A folder (or --labels' files) is listed and checked by every rank; its cache is built by the first worker of
+    each machine while the others wait in the job's key-value store (waiting.Meeting), however long the decoding
+    takes, and every rank learns whether that worked before any of them goes on.
     """
     if cfg.dataset != FOLDER:
         ds = data.load_dataset(cfg.dataset, cfg.data_dir)
         return ds, DataFacts(ds.classes, len(ds.train))
-    listing = folder.list_folder(cfg.data_dir)
-    request, caches = folder.Request.of(cfg), folder.default_cache_dir(listing.root)
+    listing, caches = labels.source(cfg)
+    request = folder.Request.of(cfg)
     problem = None
     stopped = lambda: stop.signum  # noqa: E731
     with waiting.Meeting("folder-cache", "the folder's cache", env, log, stopped, unit="images") as meeting:
@@ -238,10 +238,13 @@ def _load_data(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals
     width, height = manifest["size"]
     if listing.ignored:
         log.info(f"left out {len(listing.ignored)} files that are not images by their name, e.g. {listing.ignored[0]}")
+    if bad_rows := labels.left_out(listing):
+        log.warning(bad_rows)
     if manifest["skipped"]:
         log.warning(f"warning: left out {len(manifest['skipped'])} unreadable images: {'; '.join(manifest['skipped'])}")
     numbered = folder.numbered(ds.classes)  # labels follow the sorted folder names: say which is which
-    log.info(f"classes ({len(ds.classes)}, labels by sorted folder name): {numbered}; images from the cache {cache}")
+    order = "labels by sorted label" if cfg.labels else "labels by sorted folder name"
+    log.info(f"classes ({len(ds.classes)}, {order}): {numbered}; images from the cache {cache}")
     return ds, DataFacts(ds.classes, len(ds.train), f"{width}x{height}", manifest["channels"])
 
 
@@ -459,7 +462,8 @@ def _write_report(
     pairs). Every rank takes part; rank 0 writes."""
     pairs = scores.worst_pairs(final.confusion)
     examples = engine.confused_examples(final, pairs, env)
-    about = {"split": "test", "dataset": cfg.dataset, "data": cfg.data_dir or str(REPO_DATA / cfg.dataset)}
+    where = cfg.data_dir or cfg.labels or str(REPO_DATA / cfg.dataset)
+    about = {"split": "test", "dataset": cfg.dataset, "data": where}
     contents = scores.report(final.confusion, ds.classes, final.top_k, examples, {**about, "weights": WEIGHTS})
     if env.is_main:
         files.write_report(contents, {i: np.asarray(test.images[i]) for found in examples.values() for i in found})
