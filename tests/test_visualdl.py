@@ -173,7 +173,7 @@ def test_keep_to_step_drops_later_scalars_and_a_torn_last_record(tmp_path):
 
 @pytest.mark.slow
 def test_the_flag_is_off_by_default_and_its_module_does_not_import_visualdl():
-    code = "import sys; from paddle_mnist import cli; cli.parse_args([]); print('visualdl' in sys.modules)"
+    code = "import sys; from paddle_mnist import cli; cli.parse_command([]); print('visualdl' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "False", explain(proc)
 
