@@ -103,24 +103,24 @@ class Config:
     model: str = "mnist_cnn_bn_fc"
     augment: bool = False  # parse_args fills in the dataset's default when neither flag is given
     shift: int | None = None  # largest random shift in pixels when augmenting; None: the dataset's policy
-    # epochs, batch_size, lr, warmup_epochs and weight_decay: parse_args fills in the model's recipe (RECIPES)
-    epochs: int = 8
+    # RECIPE_FLAGS left None take the model's recipe (RECIPES, __post_init__)
+    epochs: int | None = None
     max_steps: int = 0
-    batch_size: int = 0  # global batch of one optimizer step; 0 = PER_WORKER_BATCH x world size
+    batch_size: int | None = None  # global batch of one optimizer step; 0 = PER_WORKER_BATCH x world size
     eval_batch_size: int = 1000
-    lr: float = 0.05
+    lr: float | None = None
     lr_schedule: str = "poly"
-    warmup_epochs: float = 0.0
+    warmup_epochs: float | None = None
     lr_scaling: str = "none"  # "linear": lr x global batch / reference_batch
     reference_batch: int = PER_WORKER_BATCH
     accum_steps: int = 1  # micro-batches per optimizer step
     sync_bn: bool = False
     amp: str = "off"
     momentum: float = 0.9
-    label_smoothing: float = 0.0
-    whiten: bool = False  # the first convolution starts as a whitening of the training images' patches
-    nesterov: bool = False  # Nesterov momentum
-    weight_decay: float = 5e-4
+    label_smoothing: float | None = None
+    whiten: bool | None = None  # the first convolution starts as a whitening of the training images' patches
+    nesterov: bool | None = None  # Nesterov momentum
+    weight_decay: float | None = None
     clip_grad_norm: float = 0.0  # largest global gradient norm, after the all-reduce (0: no clipping)
     ema: float = 0.0  # decay of the weights' moving average, evaluated and saved when on (0: off)
     lookahead: bool = False  # every 5 steps the weights are pulled back to a slow copy of them (lookahead.py)
@@ -159,8 +159,20 @@ class Config:
     test_labels: str = ""  # with labels: the test images' label file ("": none)
     min_steps: int = MIN_STEPS  # the recipe's epochs rise until the run trains at least this many steps (0: never)
     classes: tuple[str, ...] = ()  # not a flag: the dataset's class names, filled in by resolve
-    from_recipe: tuple[str, ...] = RECIPE_FLAGS  # not a flag: the RECIPE_FLAGS the command line left to the recipe
+    from_recipe: tuple[str, ...] | None = None  # not a flag: the RECIPE_FLAGS left to the recipe (None: the ones None)
     unset: tuple[str, ...] = OPEN_DEFAULTS  # not a flag: the options left to a default the run works out (args.yaml)
+
+    def __post_init__(self) -> None:
+        """The one place a Config takes its model's recipe, for the parser, the tests and the scripts alike: each of
+        RECIPE_FLAGS left None becomes the recipe's value, and from_recipe (when not given) names them."""
+        recipe = RECIPES.get(self.model)
+        left = tuple(name for name in RECIPE_FLAGS if getattr(self, name) is None)
+        if left and recipe is None:
+            raise ConfigError(f"model {self.model!r} has no recipe: choose one of {', '.join(RECIPES)}")
+        for name in left:
+            object.__setattr__(self, name, getattr(recipe, name))
+        if self.from_recipe is None:
+            object.__setattr__(self, "from_recipe", left)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -661,13 +673,10 @@ def parse_args(argv: list[str] | None = None, file_values: dict | None = None) -
     if getattr(ns, "config", None) and file_values is None:
         raise ConfigError("--config is read by the command line (training/api.configure), not by parse_args")
     ns.unset = tuple(f.name for f in dataclasses.fields(Config) if getattr(ns, f.name, 0) is None)
-    ns.from_recipe = tuple(name for name in RECIPE_FLAGS if getattr(ns, name) is None)
-    for name in ns.from_recipe:
-        setattr(ns, name, getattr(RECIPES[ns.model], name))
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
     _fill_start_flags(ns)
-    cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config)})
+    cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if f.name != "from_recipe"})
     if cfg.resume != "no" and cfg.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other: pass one of them")
     if cfg.lr <= 0:

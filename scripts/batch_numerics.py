@@ -36,6 +36,7 @@ import paddle.nn.functional as F
 
 from paddle_mnist import config
 from paddle_mnist.datasets import data
+from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.network import dropout, exact
 from paddle_mnist.ops import fastpath, onednn
 from paddle_mnist.runtime import cpu
@@ -61,7 +62,7 @@ class Call:
 @contextlib.contextmanager
 def recording(calls: list[Call]) -> Iterator[None]:
     """Record every fastpath.conv2d, fastpath.max_pool2x2 and exact.linear call made inside (models.Conv2D, MaxPool2D
-    and Linear call them)."""
+    and Linear call them in training; Linear calls exact.linear only while a step sums in float64, exact.active)."""
     conv2d, pool, linear = fastpath.conv2d, fastpath.max_pool2x2, exact.linear
 
     def conv_and_note(x, weight, stride, padding, bias=None):
@@ -205,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     batches = iter(epoch)
     for _ in range(args.steps):
         images, labels = next(batches)
-        engine.train_step(state, images, labels, cfg)
+        engine.train_step(state, images, labels, cfg, Feed("cpu"), engine.ONE_PROCESS)
         state.sched.step()
     images, labels = next(batches)
     epoch.close()
     calls: list[Call] = []
-    with recording(calls), paddle.no_grad():
+    with recording(calls), exact.summing(exact.Sums()):  # the layers' calls as a step summing in float64 makes them
         state.model(paddle.to_tensor(images))
     print(f"{args.model} on {args.dataset} after {args.steps} steps: batch {len(labels)} against {args.parts} parts")
     print("\n".join(operator_table(calls, args.parts)))

@@ -23,6 +23,7 @@ import paddle
 
 from paddle_mnist import config
 from paddle_mnist.datasets import data
+from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.network.models import MODELS
 from paddle_mnist.ops import onednn
 from paddle_mnist.runtime import cpu
@@ -70,7 +71,7 @@ def first_losses(
     while len(losses) < steps and not window_mean(losses) < limit:
         epoch_batches = batches.epoch(epoch, 0, min(per_epoch, steps - len(losses)))
         for images, labels in epoch_batches:
-            losses.append(float(engine.train_step(state, images, labels, cfg)[0]))
+            losses.append(float(engine.train_step(state, images, labels, cfg, Feed("cpu"), engine.ONE_PROCESS).loss))
             state.sched.step()
             if window_mean(losses) < limit:
                 break

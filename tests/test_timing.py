@@ -66,15 +66,19 @@ def test_an_epoch_whose_sampled_steps_are_slow_reports_whole_shares(monkeypatch)
 def test_step_timer_samples_every_nth_step(monkeypatch):
     syncs = []
     timer = timing.StepTimer(every=3, sync=lambda: syncs.append(1))
-    assert [s for s in range(1, 10) if timer.wants(s)] == [3, 6, 9]
+    assert [s for s in range(1, 10) if timer.sampling(s) is timer] == [3, 6, 9]
+    assert all(timer.sampling(s) is timing.UNTIMED for s in (1, 2, 4, 5, 7, 8))
     assert not any(timing.StepTimer(every=0, sync=lambda: None).wants(s) for s in range(1, 10))
-    # the module's clock, read at begin() and at each mark(): two sampled steps, each phase a known span
-    clock = iter([10.0, 10.5, 10.75, 11.0, 20.0, 20.25, 20.5, 20.625])
+    # the module's clock, read as each phase begins and ends: two sampled steps, each phase a known span
+    clock = iter([10.0, 10.5, 10.5, 10.75, 10.75, 11.0, 20.0, 20.25, 20.5, 20.75, 20.75, 20.875])
     monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     for _ in range(2):
-        timer.begin()
         for phase in timing.SAMPLED:
-            timer.mark(phase)
-    assert timer.samples == 2 and len(syncs) == 8  # the device is synchronised at every phase boundary
+            with timer.phase(phase):
+                pass
+    assert timer.samples == 2 and len(syncs) == 12  # the device is synchronised as every phase begins and ends
     want = {"forward": 0.75, "backward": 0.5, "optimizer": 0.375, "input_wait": 0.0, "logging": 0.0}
     assert timer.seconds == want
+    with timing.UNTIMED.phase("forward"):  # an unsampled step's phases: nothing timed, no sync
+        pass
+    assert timer.seconds == want and len(syncs) == 12

@@ -21,6 +21,7 @@ from helpers import (
 )
 
 from paddle_mnist.config import Config, ConfigError, parse_args
+from paddle_mnist.datasets.transfer import Feed
 from paddle_mnist.deploy import export
 from paddle_mnist.files import checkpoint
 from paddle_mnist.network import summary
@@ -58,7 +59,8 @@ def test_clipping_scales_the_step_to_the_norm_and_reports_the_norm_before():
     assert expected > CLIP
 
     before = {k: v.numpy().copy() for k, v in model.state_dict().items()}
-    *_, norm = engine.train_step(TrainState(cfg, model, opt, sched, None, None), images, labels, cfg)
+    state = TrainState(cfg, model, opt, sched, None, None)
+    norm = engine.train_step(state, images, labels, cfg, Feed("cpu"), engine.ONE_PROCESS).norm
     assert float(norm) == pytest.approx(expected, rel=1e-5)
     moved = np.sqrt(sum(((v.numpy() - before[k]).astype(np.float64) ** 2).sum() for k, v in model.state_dict().items()))
     assert moved == pytest.approx(cfg.lr * CLIP, rel=1e-4)

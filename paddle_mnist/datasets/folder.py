@@ -1,8 +1,4 @@
-"""Your own images: DIR/train/<class>/ (val/, test/) listed and checked, decoded once into a memory-mapped cache.
-
-Long because listing, checking, decoding and caching a folder are one job: each part reads or writes
-the cache's format and manifest.
-"""
+"""Your own images: DIR/train/<class>/ (val/, test/) listed and checked, decoded once into a memory-mapped cache."""
 
 from __future__ import annotations
 

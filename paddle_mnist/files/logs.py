@@ -9,8 +9,6 @@ progress, its stop and the cause) come from each worker's events (eventlog.N, fi
 line for people changes no diagnosis; logs without them (an older trainer's) are read by their English lines.
 Paddle's and the system's failures are read by their words either way. Every machine numbers its files
 from workerlog.0, so ranks are told apart by the global rank in their lines' tags, never by the file's number.
-
-Long because each failure it tells apart pairs a pattern in the workers' lines with its cause and fix.
 """
 
 from __future__ import annotations

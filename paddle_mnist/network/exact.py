@@ -18,8 +18,9 @@ rounded float32 only where the sum falls that close to a float32 rounding bounda
     active()            whether a Sums collects now, in a pass with gradients; collecting(): inside summing
     hand_over(p, g)     a layer's float64 gradient g of parameter p to the Sums (batchnorm.py's too)
     conv2d, linear, add_channel_bias
-                        what models.Conv2D and models.Linear call: fastpath.conv2d, F.linear and the bias add,
-                        and while a Sums collects, the same outputs with gradients handed over in float64
+                        what models.Conv2D and models.Linear call while a Sums collects (active()): the outputs
+                        of fastpath.conv2d, F.linear and fastpath.add_channel_bias, with their gradients handed over
+                        in float64
 """
 
 from __future__ import annotations
@@ -100,11 +101,6 @@ def _wide(t: paddle.Tensor) -> paddle.Tensor:
     return t.astype("float64")
 
 
-def _channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
-    _, c, h, w = x.shape
-    return (x.reshape([0, c, h * w]) + bias.reshape([c, 1])).reshape([0, c, h, w])
-
-
 def _dense_backward(ctx, grad_out) -> tuple:
     """(the input's gradient, the weights', the float64 output gradient) of x @ weight, the weights' handed over."""
     (x,), weight = ctx.saved_tensor(), ctx.weight
@@ -143,7 +139,7 @@ class _ChannelBias(PyLayer):
     @staticmethod
     def forward(ctx, x, bias):
         ctx.bias = bias
-        return _channel_bias(x, bias)
+        return fastpath.add_channel_bias(x, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -178,7 +174,6 @@ class _Conv2DBias(PyLayer):
         return (None if x.stop_gradient else grad_x), hand_over(weight, grad_w), hand_over(ctx.bias, grad_b)
 
 
-@paddle.jit.not_to_static
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:
     """F.linear(x, weight, bias); while a Sums collects, multiplied in float64 and rounded once (each row's result
     the same bits whatever the rows around it), the gradients handed over in float64."""
@@ -187,24 +182,17 @@ def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) 
     return F.linear(x, weight, bias)
 
 
-@paddle.jit.not_to_static
 def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
-    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.
-
-    Paddle's CPU kernels broadcast a (1, C, 1, 1) bias along a slow path; a trailing (C, 1) takes the fast one, for
-    the add and for its gradient (docs/performance.md). The 0s in reshape keep the batch size as it comes, so the
-    exported model takes any batch. While a Sums collects, the bias's gradient is handed over in float64.
-    """
+    """fastpath.add_channel_bias; while a Sums collects, the bias's gradient handed over in float64."""
     if active():
         return _ChannelBias.apply(x, bias)
-    return _channel_bias(x, bias)
+    return fastpath.add_channel_bias(x, bias)
 
 
-@paddle.jit.not_to_static
 def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias=None) -> paddle.Tensor:
     """fastpath.conv2d; while a Sums collects and the operator runs x, the weights' (and bias's) gradient handed
     over in float64."""
-    if not (active() and fastpath.runs(x)):
+    if not (active() and fastpath.can_run(x)):
         return fastpath.conv2d(x, weight, stride, padding, bias=bias)
     if bias is None:
         return _Conv2D.apply(x, weight, stride, padding)

@@ -10,7 +10,6 @@ from paddle import nn
 
 from paddle_mnist.network import backbones, batchnorm, exact
 from paddle_mnist.network.dropout import Dropout
-from paddle_mnist.network.exact import add_channel_bias
 from paddle_mnist.network.heads import head_pool, head_scale, pooled, scaled
 from paddle_mnist.ops import fastpath
 
@@ -18,28 +17,32 @@ from paddle_mnist.ops import fastpath
 class Conv2D(nn.Conv2D):
     """nn.Conv2D (same parameters, same names, same output) whose convolution, in float32 CPU training, runs by
     oneDNN where onednn.activate made that possible, with the bias added inside it; elsewhere Paddle's convolution
-    runs and add_channel_bias adds the bias."""
+    runs and fastpath.add_channel_bias adds the bias. While a step sums its gradients in float64 (exact.active),
+    exact.py wraps the same operators and hands the weights' gradients over."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: int = 0, **kw):
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, **kw)
         self.geometry = {"stride": stride, "padding": padding}
 
     def convolve(self, x: paddle.Tensor) -> paddle.Tensor:
-        """The convolution without the bias: oneDNN's where it is active (ops/fastpath.py), else F.conv2d."""
-        return exact.conv2d(x, self.weight, **self.geometry)
+        """The convolution without the bias."""
+        return (exact.conv2d if exact.active() else fastpath.conv2d)(x, self.weight, **self.geometry)
 
     def add_bias(self, y: paddle.Tensor) -> paddle.Tensor:
-        return y if self.bias is None else add_channel_bias(y, self.bias)
+        if self.bias is None:
+            return y
+        return exact.add_channel_bias(y, self.bias) if exact.active() else fastpath.add_channel_bias(y, self.bias)
 
     def fused(self, x: paddle.Tensor) -> bool:
         """Whether oneDNN adds the bias inside the convolution of x (its kernel adds it as it writes the output,
         and sums its gradient in the weights' backward pass: Paddle's add and its gradient no longer run)."""
-        return self.bias is not None and fastpath.runs(x)
+        return self.bias is not None and fastpath.can_run(x)
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        if self.fused(x):
-            return exact.conv2d(x, self.weight, bias=self.bias, **self.geometry)
-        return self.add_bias(self.convolve(x))
+        if not self.fused(x):
+            return self.add_bias(self.convolve(x))
+        convolve = exact.conv2d if exact.active() else fastpath.conv2d
+        return convolve(x, self.weight, bias=self.bias, **self.geometry)
 
 
 class Linear(nn.Linear):
@@ -47,7 +50,9 @@ class Linear(nn.Linear):
     trainer asks it to (exact.py: N workers equal one process)."""
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        return exact.linear(x, self.weight, self.bias)
+        if exact.active():
+            return exact.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def sums_exactly(model: nn.Layer) -> bool:
@@ -63,16 +68,16 @@ def sums_exactly(model: nn.Layer) -> bool:
 
 
 def runs_blocked(net: nn.Layer, x: paddle.Tensor) -> bool:
-    """Whether a network of conv modules runs x blocked (fastpath.blocks_now): not in training with batch norm over
+    """Whether a network of conv modules runs x blocked (fastpath.can_run_blocked): not in training with batch norm over
     the global batch, which runs NCHW by batchnorm.py (csrc/blocked.cc's batch norm is per worker)."""
-    return fastpath.blocks_now(net, x) and not (net.training and batchnorm.spans_global_batch(net))
+    return fastpath.can_run_blocked(net, x) and not (net.training and batchnorm.spans_global_batch(net))
 
 
 class MaxPool2D(nn.MaxPool2D):
     """nn.MaxPool2D that, in training, also keeps where each window's maximum was: the same output, and a backward
     pass that only scatters (docs/performance.md has its cost against Paddle's).
 
-    For 2x2 windows of stride 2 where the custom operators are active (fastpath.pools: float32 CPU training), that
+    For 2x2 windows of stride 2 where the custom operators are active (fastpath.can_pool2x2: float32 CPU training), that
     is the max_pool2x2 operator of csrc/max_pool.cc, which runs four windows at a time and matches F.max_pool2d to
     the bit, NaN included. Elsewhere it is Paddle's kernel with the mask, as follows.
 
@@ -94,7 +99,7 @@ class MaxPool2D(nn.MaxPool2D):
         if not self.training or self.return_mask or self.data_format != "NCHW":
             return nn.MaxPool2D.forward(self, x)
         kernel, stride, padding = (_square(v) for v in (self.ksize, self.stride or self.ksize, self.padding))
-        if None not in (kernel, stride, padding) and fastpath.pools(x, kernel, stride, padding, self.ceil_mode):
+        if None not in (kernel, stride, padding) and fastpath.can_pool2x2(x, kernel, stride, padding, self.ceil_mode):
             return fastpath.max_pool2x2(x)
         out, mask = F.max_pool2d(
             x, self.ksize, self.stride, self.padding, ceil_mode=self.ceil_mode, return_mask=True, name=self.name
@@ -167,10 +172,13 @@ class MnistCNN(nn.Layer):
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         f = self.features
-        if self.order == "bias_after_pool":
-            x = conv_relu_pool(conv_relu_pool(x, f[0], f[2]), f[3], f[5])
-        elif self.order == "relu_after_pool":
-            x = F.relu(f[7](f[5](f[4](F.relu(f[3](f[1](f[0](x))))))))
+        if self.order == "bias_after_pool":  # features: conv, ReLU, pool, twice
+            conv1, pool1, conv2, pool2 = f[0], f[2], f[3], f[5]
+            x = conv_relu_pool(conv_relu_pool(x, conv1, pool1), conv2, pool2)
+        elif self.order == "relu_after_pool":  # features: conv, batch norm, ReLU, pool, twice
+            conv1, norm1, pool1, conv2, norm2, pool2 = f[0], f[1], f[3], f[4], f[5], f[7]
+            x = F.relu(pool1(norm1(conv1(x))))
+            x = F.relu(pool2(norm2(conv2(x))))
         else:
             x = f(x)
         x = scaled(paddle.flatten(pooled(x, self.head_pool), 1), self.head_scale)

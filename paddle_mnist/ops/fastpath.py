@@ -4,15 +4,16 @@ onednn.activate puts the loaded operators here (use); every function below then 
 each caller keeps Paddle's own layer beside it for where they do not (another device, float16, paddle.jit.save's
 tracing, or no build). What models.py and exact.py ask:
 
-    runs(x)            whether the operators run a convolution of x: active, float32, CPU, dygraph
-    conv2d(...)        F.conv2d by onednn_conv2d(_bias) where runs(x), else F.conv2d (so paddle.jit.save, and with
-                       it Paddle Inference and ONNX, always get Paddle's); conv2d_grad64, its float64 backward pass
-    pools(x, ...)      whether max_pool2x2(x) runs models.MaxPool2D's pool of x (csrc/max_pool.cc)
-    blocks_now(l, x)   whether a network of conv modules runs x in oneDNN's layout blocked by BLOCK channels, then
-                       conv_bn_relu, conv_relu_folded, max_pool_blocked and concat_blocked (csrc/blocked.cc)
-    plane_sums, affine the per-image float64 sums and per-channel scalings of batchnorm.py (csrc/batch_norm.cc)
-    kept_plans()       how many plans the operators keep: a backward pass keeps its shape's, a few dozen per cache
-                       at most; evaluation keeps none, and no plan holds a buffer past its call
+    can_run(x)             whether the operators run a convolution of x: active, float32, CPU, dygraph
+    conv2d(...)            F.conv2d by onednn_conv2d(_bias) where can_run(x), else F.conv2d (so paddle.jit.save,
+                           and with it Paddle Inference and ONNX, always get Paddle's); conv2d_grad64, its float64
+                           backward pass
+    can_pool2x2(x, ...)    whether max_pool2x2(x) runs models.MaxPool2D's pool of x (csrc/max_pool.cc)
+    can_run_blocked(l, x)  whether a network of conv modules runs x in oneDNN's layout blocked by BLOCK channels,
+                           then conv_bn_relu, conv_relu_folded, max_pool_blocked and concat_blocked (csrc/blocked.cc)
+    plane_sums, affine     the per-image float64 sums and per-channel scalings of batchnorm.py (csrc/batch_norm.cc)
+    kept_plans()           how many plans the operators keep: a backward pass keeps its shape's, a few dozen per
+                           cache at most; evaluation keeps none, and no plan holds a buffer past its call
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def plain_layers():
 
 
 @paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: False there
-def runs(x: paddle.Tensor) -> bool:
+def can_run(x: paddle.Tensor) -> bool:
     """Whether conv2d(x, ...) runs by oneDNN: the operator is active and x is a float32 CPU tensor in dygraph."""
     return _ops is not None and x.dtype == paddle.float32 and paddle.in_dynamic_mode() and x.place.is_cpu_place()
 
@@ -85,8 +86,8 @@ def runs(x: paddle.Tensor) -> bool:
 def conv2d(
     x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias: paddle.Tensor | None = None
 ) -> paddle.Tensor:
-    """F.conv2d(x, weight, bias, stride, padding), by oneDNN where it runs (runs(x))."""
-    if runs(x):
+    """F.conv2d(x, weight, bias, stride, padding), by oneDNN where it runs (can_run(x))."""
+    if can_run(x):
         if bias is None:
             return _ops.onednn_conv2d(x, weight, stride, padding, not x.stop_gradient)
         return _ops.onednn_conv2d_bias(x, weight, bias, stride, padding, not x.stop_gradient)
@@ -97,34 +98,41 @@ def conv2d(
 def conv2d_grad64(
     x: paddle.Tensor, weight: paddle.Tensor, grad_out: paddle.Tensor, stride: int, padding: int, bias: bool
 ) -> list[paddle.Tensor]:
-    """conv2d's backward pass where runs(x): the input's gradient in float32, the weights' (and the bias's) summed
+    """conv2d's backward pass where can_run(x): the input's gradient in float32, the weights' (and the bias's) summed
     over the batch in float64 (exact.py adds them up over micro-batches and workers before it rounds them)."""
     op = _ops.onednn_conv2d_bias_grad64 if bias else _ops.onednn_conv2d_grad64
     return op(x, weight, grad_out, stride, padding, not x.stop_gradient)
 
 
-def pools(x: paddle.Tensor, kernel: int, stride: int, padding: int, ceil_mode: bool) -> bool:
+@paddle.jit.not_to_static  # as it is in paddle.jit.save's trace too: the reshapes keep the batch free
+def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
+    """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.
+
+    Paddle's CPU kernels broadcast a (1, C, 1, 1) bias along a slow path; a trailing (C, 1) takes the fast one, for
+    the add and for its gradient (docs/performance.md). The 0s in reshape keep the batch size as it comes, so the
+    exported model takes any batch.
+    """
+    _, c, h, w = x.shape
+    return (x.reshape([0, c, h * w]) + bias.reshape([c, 1])).reshape([0, c, h, w])
+
+
+def can_pool2x2(x: paddle.Tensor, kernel: int, stride: int, padding: int, ceil_mode: bool) -> bool:
     """Whether max_pool2x2(x) computes F.max_pool2d(x, kernel, stride, padding, ceil_mode): a 2x2 window of stride
-    2 without padding, in floor mode, where the operator runs (runs(x))."""
-    return kernel == 2 and stride == 2 and padding == 0 and not ceil_mode and runs(x)
+    2 without padding, in floor mode, where the operator runs (can_run(x))."""
+    return kernel == 2 and stride == 2 and padding == 0 and not ceil_mode and can_run(x)
 
 
 @paddle.jit.not_to_static
 def max_pool2x2(x: paddle.Tensor) -> paddle.Tensor:
-    """F.max_pool2d(x, 2, 2) by the operator of csrc/max_pool.cc; for where pools(x, ...) holds."""
+    """F.max_pool2d(x, 2, 2) by the operator of csrc/max_pool.cc; for where can_pool2x2(x, ...) holds."""
     return _ops.max_pool2x2(x)[0]
 
 
-def blocks(x: paddle.Tensor) -> bool:
-    """Whether conv_bn_relu, max_pool_blocked and concat_blocked run on x: where the operators run (runs(x)).
-    MiniGoogLeNet then trains in oneDNN's layout blocked by BLOCK channels (csrc/blocked.cc)."""
-    return runs(x)
-
-
-def blocks_now(layer: paddle.nn.Layer, x: paddle.Tensor) -> bool:
-    """Whether a network of conv modules runs x blocked: in training (conv_bn_relu), and in evaluation without
-    gradients (conv_relu_folded), where the operators run (blocks(x))."""
-    return blocks(x) and (layer.training or not paddle.is_grad_enabled())
+def can_run_blocked(layer: paddle.nn.Layer, x: paddle.Tensor) -> bool:
+    """Whether a network of conv modules runs x in oneDNN's layout blocked by BLOCK channels (csrc/blocked.cc): in
+    training (conv_bn_relu), and in evaluation without gradients (conv_relu_folded), where the operators run
+    (can_run(x)); max_pool_blocked and concat_blocked then run too."""
+    return can_run(x) and (layer.training or not paddle.is_grad_enabled())
 
 
 @paddle.jit.not_to_static
@@ -164,7 +172,7 @@ def conv_relu_folded(
 ) -> paddle.Tensor:
     """relu(norm(conv(x))) in evaluation, by oneDNN: batch norm by its running statistics, folded into the
     convolution's weights and bias, ReLU as the convolution's post-op; x NCHW or blocked, the output blocked as
-    conv_bn_relu's. No gradient: for where paddle.no_grad() holds (blocks_now)."""
+    conv_bn_relu's. No gradient: for where paddle.no_grad() holds (can_run_blocked)."""
     scale = norm.weight / paddle.sqrt(norm._variance + norm._epsilon)
     weight = conv.weight * scale.reshape([-1, 1, 1, 1])
     bias = (conv.bias - norm._mean) * scale + norm.bias
@@ -190,7 +198,7 @@ def plane_sums(a: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tenso
     """[N, 2C] float64 of a (and b) [N, C, H, W] float32: each image's per-channel sum of a, then of a * b (a * a
     without b), each plane's in one order whatever the batch (csrc/batch_norm.cc); by Paddle's operators where the
     custom ones do not run (another order: the last bits of float64 differ)."""
-    if runs(a):
+    if can_run(a):
         return _ops.bn_plane_sums(a) if b is None else _ops.bn_plane_sums2(a, b)
     n, c, h, w = a.shape
     wide = a.reshape([0, c, h * w]).astype("float64")
@@ -201,7 +209,7 @@ def plane_sums(a: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tenso
 def affine(x: paddle.Tensor, a: paddle.Tensor, b: paddle.Tensor, g=None, c=None) -> paddle.Tensor:
     """x * a + b per channel of x [N, C, H, W] float32 (a, b float32 [C]); with g and c, g * a + x * b + c, added in
     that order. The same bits by csrc/batch_norm.cc and by Paddle's operators (each product and sum rounded)."""
-    if runs(x):
+    if can_run(x):
         return _ops.bn_affine(x, a, b) if g is None else _ops.bn_affine2(g, x, a, b, c)
     n, ch, h, w = x.shape
     flat, col = x.reshape([0, ch, h * w]), (lambda v: v.reshape([ch, 1]))

@@ -225,26 +225,28 @@ def average_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> None:
     if env.world_size == 1:
         return
     groups: dict[str, list[paddle.Tensor]] = {}
-    for t in _untrained(model):
+    for t in _running_statistics(model):
         groups.setdefault(str(t.dtype), []).append(t)
     for group in groups.values():
         _average_in_place(group, env)
 
 
-def _untrained(model: paddle.nn.Layer) -> list[paddle.Tensor]:
+def _running_statistics(model: paddle.nn.Layer) -> list[paddle.Tensor]:
+    """The floating-point state that training does not update by gradients: batch norm's running mean and
+    variance (and any frozen weights)."""
     net = unwrap(model)
     state = [p for p in net.parameters() if p.stop_gradient] + list(net.buffers())
     return [t for t in state if t.is_floating_point()]
 
 
-def gather_untrained(model: paddle.nn.Layer, env: DistEnv) -> list[np.ndarray]:
-    """Every rank's untrained state (batch norm running statistics), one flat float64 vector per rank.
+def gather_running_statistics(model: paddle.nn.Layer, env: DistEnv) -> list[np.ndarray]:
+    """Every rank's running statistics (batch norm's, _running_statistics), one flat float64 vector per rank.
 
     The checkpoint of a stop (SIGTERM) keeps them all instead of their average, so a resumed run continues each
     rank's statistics exactly where they were: averaging at a step the uninterrupted run does not average at
     would change the final statistics in the last bits. float64 holds float32, float16 and bfloat16 exactly.
     """
-    tensors = _untrained(model)
+    tensors = _running_statistics(model)
     if not tensors:
         return []
     flat = paddle.concat([t.astype("float64").reshape([-1]) for t in tensors])
@@ -255,9 +257,9 @@ def gather_untrained(model: paddle.nn.Layer, env: DistEnv) -> list[np.ndarray]:
     return [t.numpy() for t in gathered]
 
 
-def set_untrained(model: paddle.nn.Layer, by_rank: list[np.ndarray], env: DistEnv) -> None:
-    """Restore this rank's entry of gather_untrained (their mean when the world size changed)."""
-    tensors = _untrained(model)
+def set_running_statistics(model: paddle.nn.Layer, by_rank: list[np.ndarray], env: DistEnv) -> None:
+    """Restore this rank's entry of gather_running_statistics (their mean when the world size changed)."""
+    tensors = _running_statistics(model)
     if not by_rank or not tensors:
         return
     flat = by_rank[env.rank] if len(by_rank) == env.world_size else np.mean(by_rank, axis=0)

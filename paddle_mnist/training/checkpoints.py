@@ -121,9 +121,9 @@ class Checkpoints:
         """Set state from a checkpoint's contents; a warning line when its RNG states do not fit this job."""
         check_resumable(contents.get("config", {}), state.cfg, path)
         checkpoint.set_weights(state.model, contents["model"], path, RESUME_FIX)
-        state.untrained = {  # set in TrainState.start(), after DataParallel has broadcast rank 0's
-            "model": contents.get("untrained_by_rank") or [],
-            "ema": contents.get("ema_untrained_by_rank") or [],
+        state.running_statistics = {  # set in TrainState.join_workers(), after DataParallel broadcast rank 0's
+            "model": _by_rank(contents, "running_statistics_by_rank"),
+            "ema": _by_rank(contents, "ema_running_statistics_by_rank"),
         }
         state.opt.set_state_dict(contents["optimizer"])
         state.sched.set_state_dict(contents["lr_scheduler"])
@@ -188,7 +188,7 @@ class Checkpoints:
                 return
         except (OSError, checkpoint.CheckpointError):
             pass
-        net = distributed.unwrap(state.scored)
+        net = distributed.unwrap(state.evaluated_model)
         if best["step"] == state.step and checkpoint.digest(net) == best["digest"]:
             self.files.save_weights(net, BEST_WEIGHTS)
             return
@@ -209,9 +209,9 @@ class Checkpoints:
         """
         env = self.env
         if for_stop:
-            extra = {"untrained_by_rank": distributed.gather_untrained(state.model, env)}
+            extra = {"running_statistics_by_rank": distributed.gather_running_statistics(state.model, env)}
             if state.ema:
-                extra["ema_untrained_by_rank"] = distributed.gather_untrained(state.ema.net, env)
+                extra["ema_running_statistics_by_rank"] = distributed.gather_running_statistics(state.ema.net, env)
         else:
             state.average_statistics(env)
             extra = {}
@@ -225,7 +225,7 @@ class Checkpoints:
         validation score, is the best so far; a stop between the two is what _check_best mends."""
         improved = state.best is None or val.acc > state.best["val_acc"]
         if improved:
-            net = distributed.unwrap(state.scored)
+            net = distributed.unwrap(state.evaluated_model)
             digest = checkpoint.digest(net) if self.files.enabled else ""
             state.best = {"epoch": epoch, "step": state.step, "val_acc": val.acc, "val_loss": val.loss}
             state.best["digest"] = digest
@@ -243,7 +243,7 @@ class Checkpoints:
     def _contents(state: TrainState, elapsed_s: float, rng_by_rank: list[dict]) -> dict:
         """The checkpoint: everything to continue bit for bit. elapsed_s is the training time up to here, summed
         over the sessions of a resumed run; rng_by_rank every rank's rng.current(). A stop's checkpoint adds every
-        rank's statistics (untrained_by_rank)."""
+        rank's statistics (running_statistics_by_rank)."""
         return {
             "model": distributed.unwrap(state.model).state_dict(),
             "ema": state.ema.state_dict() if state.ema else None,
@@ -291,3 +291,9 @@ class Checkpoints:
             f"{self.files.failure}; {last} and no partial file was left. Free space or fix the cause, then continue "
             "with the same command and --resume auto"
         )
+
+
+def _by_rank(contents: dict, key: str) -> list:
+    """Every rank's statistics a stop's checkpoint kept under key, or under its name before 2026-11-28
+    ("untrained" for "running_statistics"), so an older checkpoint still resumes."""
+    return contents.get(key) or contents.get(key.replace("running_statistics", "untrained")) or []

@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -84,19 +85,21 @@ class Epoch:
 
     def __init__(self, state, batches: data.Batches, cfg: Config, env: DistEnv, log: logging.Logger, feed: Feed):
         self.state, self.batches, self.cfg, self.env, self.log, self.feed = state, batches, cfg, env, log, feed
-        self.loss_sum = paddle.zeros([], dtype="float32")  # this worker's, on the device: read only when needed
+        self.tally = StepTally(cfg.clip_grad_norm)
         self.stats: EpochStats | None = None
+
+    @property
+    def loss_sum(self) -> paddle.Tensor:
+        """This worker's training loss summed so far, on the device: read only when needed."""
+        return self.tally.loss_sum
 
     def __iter__(self) -> Iterator[int]:
         state, cfg, env = self.state, self.cfg, self.env
         state.model.train()
         total = self.batches.count
-        bar = ProgressBar(env.is_main, total, f"epoch {state.epoch + 1}")
-        correct = paddle.zeros([], dtype="int64")
-        norms = NormTally(cfg.clip_grad_norm)
-        seen = steps = 0
+        tally = self.tally
         timer = timing.StepTimer(cfg.timing_every, device_sync(env))
-        start = time.perf_counter()
+        progress = Progress(self.log, cfg, env, total, state)
         batches = iter(self.batches)
         try:
             for steps in range(1, total + 1):
@@ -104,49 +107,75 @@ class Epoch:
                 images, labels = next(batches)
                 t1 = time.perf_counter()
                 timer.add("input_wait", t1 - t0)
-                sampled = timer if timer.wants(steps) else None
-                loss, batch_loss_sum, batch_correct, norm = train_step(
-                    state, images, labels, cfg, sampled, self.feed, env
-                )
-                state.sched.step()
-                state.step += 1
-                state.batch_in_epoch += 1
+                figures = train_step(state, images, labels, cfg, self.feed, env, timer.sampling(steps))
+                state.advance()
                 t2 = time.perf_counter()
-                timer.add_compute(t2 - t1, sampled is not None)
-                self.loss_sum += batch_loss_sum
-                correct += batch_correct
-                seen += len(labels)
-                if norm is not None:
-                    norms.add(norm)
-                if cfg.log_every and (steps % cfg.log_every == 0 or steps == total):
-                    check_finite(float(self.loss_sum), state, env)
-                    elapsed = time.perf_counter() - start
-                    now = {
-                        "loss": float(loss),
-                        "acc": float(batch_correct) / len(labels),
-                        "lr": state.opt.get_lr(),
-                        "images_per_sec": seen * env.world_size / elapsed,
-                        "input_wait_share": timer.seconds["input_wait"] / elapsed,
-                    }
-                    rss = memory_mb()[0]
-                    self.log.info(  # the memory figure is the last word of a worker the out-of-memory killer ends
-                        f"epoch {state.epoch + 1} step {steps}/{total} loss {now['loss']:.4f} lr {now['lr']:.5f} "
-                        f"{now['images_per_sec']:.0f} img/s (global), memory {rss:.0f} MiB",
-                        extra={"step": state.step, "scalars": now},  # figures for --visualdl's handler
-                    )
-                    events.emit("progress", epoch=state.epoch + 1, step=steps, steps=total, memory_mb=round(rss))
-                if bar.enabled:
-                    bar.update(steps, f"loss {float(loss):.4f}")
+                timer.add_compute(t2 - t1, timer.wants(steps))
+                tally.add(figures, len(labels))
+                progress.after_step(steps, figures, tally, timer)
                 yield state.step  # the caller's checkpoints and meetings count as logging/checkpoints time
                 timer.add("logging", time.perf_counter() - t2)
         finally:
             self.batches.close()
-        own = time.perf_counter() - start
+        self.stats = tally.stats(steps, time.perf_counter() - progress.start, timer, env, state)
+
+
+class Progress:
+    """An epoch's progress for the user: a log line every --log-every steps (after checking that every worker's loss
+    is finite) and, on rank 0 at a terminal, a bar."""
+
+    def __init__(self, log: logging.Logger, cfg: Config, env: DistEnv, total: int, state):
+        self.log, self.cfg, self.env, self.total, self.state = log, cfg, env, total, state
+        self.bar = ProgressBar(env.is_main, total, f"epoch {state.epoch + 1}")
+        self.start = time.perf_counter()
+
+    def after_step(self, steps: int, figures: StepFigures, tally: StepTally, timer: timing.StepTimer) -> None:
+        state, env, every = self.state, self.env, self.cfg.log_every
+        if every and (steps % every == 0 or steps == self.total):
+            check_finite(float(tally.loss_sum), state, env)
+            elapsed = time.perf_counter() - self.start
+            now = {
+                "loss": float(figures.loss),
+                "acc": float(figures.correct) / tally.last_images,
+                "lr": state.opt.get_lr(),
+                "images_per_sec": tally.seen * env.world_size / elapsed,
+                "input_wait_share": timer.seconds["input_wait"] / elapsed,
+            }
+            rss = memory_mb()[0]
+            self.log.info(  # the memory figure is the last word of a worker the out-of-memory killer ends
+                f"epoch {state.epoch + 1} step {steps}/{self.total} loss {now['loss']:.4f} lr {now['lr']:.5f} "
+                f"{now['images_per_sec']:.0f} img/s (global), memory {rss:.0f} MiB",
+                extra={"step": state.step, "scalars": now},  # figures for --visualdl's handler
+            )
+            events.emit("progress", epoch=state.epoch + 1, step=steps, steps=self.total, memory_mb=round(rss))
+        if self.bar.enabled:
+            self.bar.update(steps, f"loss {float(figures.loss):.4f}")
+
+
+class StepTally:
+    """An epoch's sums of its steps' figures, on the device (read only when needed): loss, correct predictions,
+    images, and the gradient norms."""
+
+    def __init__(self, clip: float):
+        self.loss_sum = paddle.zeros([], dtype="float32")  # this worker's
+        self.correct = paddle.zeros([], dtype="int64")
+        self.norms = NormTally(clip)
+        self.seen = self.last_images = 0
+
+    def add(self, figures: StepFigures, images: int) -> None:
+        self.loss_sum += figures.loss_sum
+        self.correct += figures.correct
+        self.seen, self.last_images = self.seen + images, images
+        if figures.norm is not None:
+            self.norms.add(figures.norm)
+
+    def stats(self, steps: int, own: float, timer: timing.StepTimer, env: DistEnv, state) -> EpochStats:
+        """The epoch's figures, summed over the workers (every worker must call it)."""
         seconds = all_reduce_max(own, env)
-        totals = all_reduce_sum([float(self.loss_sum), float(correct), seen], env)
+        totals = all_reduce_sum([float(self.loss_sum), float(self.correct), self.seen], env)
         check_finite(totals[0], state, env)
         images = int(totals[2])
-        self.stats = EpochStats(
+        return EpochStats(
             loss=totals[0] / max(images, 1),
             acc=totals[1] / max(images, 1),
             images=images,
@@ -156,9 +185,9 @@ class Epoch:
             own_seconds=own,
             phase_shares=timing.shares(timer.seconds, own, timer.compute, timer.sampled_compute),
             samples=timer.samples,
-            clipped=int(norms.clipped),
-            grad_norm=norms.mean(),
-            skipped=int(norms.skipped),
+            clipped=int(self.norms.clipped),
+            grad_norm=self.norms.mean(),
+            skipped=int(self.norms.skipped),
         )
 
 
@@ -203,78 +232,84 @@ def global_grad_norm(params: list) -> paddle.Tensor:
 ONE_PROCESS = DistEnv(0, 1, 0, 1, "none", "cpu")
 
 
-def train_step(state, images, labels, cfg: Config, timer=None, feed: Feed | None = None, env: DistEnv = ONE_PROCESS):
-    """One optimizer step over --accum-steps micro-batches: (last micro-batch loss, summed loss, correct, norm).
+class StepFigures(NamedTuple):
+    loss: paddle.Tensor  # the last micro-batch's mean loss
+    loss_sum: paddle.Tensor  # summed over this worker's images
+    correct: paddle.Tensor  # this worker's images predicted right
+    norm: paddle.Tensor | None  # the global gradient norm before clipping (--clip-grad-norm), else None
 
-    norm is the global gradient norm before clipping with --clip-grad-norm (None without it); the optimizer's
-    ClipGradByGlobalNorm clips the averaged gradients, which are the same on every worker, so all clip alike.
 
-    Each micro-batch's mean loss is divided by the number of micro-batches, so the accumulated gradient is the
-    mean over the worker's whole batch, as without accumulation; gradients are averaged over the workers once,
-    after the last backward pass: through shared memory where env's carrier has it, else by DataParallel's
-    all-reduce inside that pass (its no_sync for the others). Where state.exact, every image's loss weighs 1/(global
-    batch) instead, every backward pass keeps its gradients local, and the step's float64 sums (network/exact.py)
-    are all-reduced once after the last and rounded to float32 once. With a timing.StepTimer the step's phases are
-    timed at their boundaries and nothing else changes: the all-reduce counts in the backward phase.
+def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, timer=timing.UNTIMED) -> StepFigures:
+    """One optimizer step over --accum-steps micro-batches of this worker's share of the global batch (what
+    feed.host made of it; micro-batch i is its slice of the global micro-batch i, data.worker_places).
 
-    images and labels are what feed.host made of a batch (numpy arrays without a feed, or on CPU): env's worker's
-    share of the global batch, micro-batch i of it its slice of the global micro-batch i (data.worker_places). The
-    model's dropout layers draw their masks by place in the global batch (dropout.Place); its batch norm layers
-    that span the global batch meet the other workers' through their micro-batch's place (batchnorm.Meeting).
+    Every image's loss weighs 1/(the images its gradient is averaged over): the worker's batch, whose gradients
+    are then averaged over the workers once, after the last backward pass (through shared memory where env's
+    carrier has it, else by DataParallel inside that pass); or, where state.exact, the global batch, every pass
+    keeping its gradients local and the step's float64 sums (network/exact.py) summed over the workers once and
+    rounded to float32 once. Dropout draws its masks and batch norm over the global batch meets the other workers
+    by the micro-batch's place in the global batch (micro_batch_places). timer: timing.StepTimer on a sampled step.
     """
-    model, opt, scaler = state.model, state.opt, state.scaler
-    k = cfg.accum_steps
-    loss_sums, corrects = [], []
-    total = len(labels) * env.world_size
-    drops = dropout.layers(model)
-    add = sum_over_workers(model, env)
-    if timer:
-        timer.begin()
+    model, k = state.model, cfg.accum_steps
     sums = exact.Sums() if state.exact else None
-    for i, (x, y) in enumerate((feed or Feed("cpu")).micro_batches(images, labels, k)):
-        micro = len(y) * env.world_size  # the global micro-batch: every worker's micro-batch i
-        place = dropout.Place(cfg.seed, state.step, i * micro + env.rank * len(y), total)
-        meet = batchnorm.Meeting(add, env.rank * len(y), micro, env.rank == 0, env.world_size)
-        with gradient_sync(model, env, i == k - 1 and sums is None), exact.summing(sums), batchnorm.meeting(meet):
-            with amp_context(cfg), dropout.placed(drops, place):
-                logits = model(x)
-            if logits.dtype != paddle.float32:  # the loss in float32 whatever precision the network ran in
-                logits = logits.astype("float32")
-            if sums is None:
-                loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-                part = loss / k if k > 1 else loss
-            else:  # each image's loss weighs 1/(global batch) wherever it runs: the same gradient, to the bit
-                losses = F.cross_entropy(logits, y, reduction="none", label_smoothing=cfg.label_smoothing)
-                loss, part = losses.mean(), losses.sum() * (1.0 / total)
-            if timer:
-                timer.mark("forward")
-            (scaler.scale(part) if scaler else part).backward()
-            if timer:
-                timer.mark("backward")
-        loss_sums.append(loss.detach() * len(y))
+    weight = 1.0 / (len(labels) * env.world_size if sums is not None else len(labels))
+    add = sum_over_workers(model, env)
+    loss_sums, corrects = [], []
+    for i, (x, y) in enumerate(feed.micro_batches(images, labels, k)):
+        sync = i == k - 1 and sums is None  # DataParallel's all-reduce inside the last backward pass
+        places = micro_batch_places(state, cfg, env, i, len(y), len(labels), add)
+        with places, exact.summing(sums), gradient_sync(model, env, sync):
+            with timer.phase("forward"):
+                with amp_context(cfg):
+                    logits = model(x)
+                losses = F.cross_entropy(in_float32(logits), y, reduction="none", label_smoothing=cfg.label_smoothing)
+                loss_sum = losses.sum()
+            with timer.phase("backward"):
+                (state.scaler.scale(loss_sum * weight) if state.scaler else loss_sum * weight).backward()
+        loss_sums.append(loss_sum.detach())
         corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
-    if sums is not None:  # summed over the workers in float64, rounded once
-        sums.gradients(model.parameters(), add)
-    else:
-        average_gradients(model, env)
-    if timer:
-        timer.mark("backward")
-    norm = None
+    with timer.phase("backward"):
+        if sums is not None:
+            sums.gradients(model.parameters(), add)
+        else:
+            average_gradients(model, env)
+    with timer.phase("optimizer"):
+        norm = update(state, cfg)
+    return StepFigures(losses.mean(), paddle.add_n(loss_sums), paddle.add_n(corrects), norm)
+
+
+@contextlib.contextmanager
+def micro_batch_places(state, cfg: Config, env: DistEnv, i: int, size: int, worker_batch: int, add) -> Iterator[None]:
+    """Micro-batch i (size images) of this worker's worker_batch images, in its place in the global batch:
+    dropout's masks drawn by it (dropout.Place) and batch norm over the global batch meeting the other workers'
+    images of global micro-batch i (batchnorm.Meeting)."""
+    micro = size * env.world_size  # the global micro-batch: every worker's micro-batch i
+    place = dropout.Place(cfg.seed, state.step, i * micro + env.rank * size, worker_batch * env.world_size)
+    meet = batchnorm.Meeting(add, env.rank * size, micro, env.rank == 0, env.world_size)
+    with dropout.placed(dropout.layers(state.model), place), batchnorm.meeting(meet):
+        yield
+
+
+def in_float32(logits: paddle.Tensor) -> paddle.Tensor:
+    """The loss in float32 whatever precision the network ran in."""
+    return logits if logits.dtype == paddle.float32 else logits.astype("float32")
+
+
+def update(state, cfg: Config) -> paddle.Tensor | None:
+    """The optimizer's step on the averaged gradients (the same on every worker, so all clip alike); the global
+    gradient norm before ClipGradByGlobalNorm clips them, with --clip-grad-norm (else None)."""
+    opt, scaler, norm = state.opt, state.scaler, None
     if cfg.clip_grad_norm:
         if scaler:
             scaler.unscale_(opt)  # the norm of the true gradients; scaler.step then does not unscale again
-        norm = global_grad_norm(model.parameters())
+        norm = global_grad_norm(state.model.parameters())
     if scaler:
         scaler.step(opt)
         scaler.update()
     else:
         opt.step()
     opt.clear_grad()
-    if timer:
-        timer.mark("optimizer")
-    if k == 1:
-        return loss, loss_sums[0], corrects[0], norm
-    return loss, paddle.add_n(loss_sums), paddle.add_n(corrects), norm
+    return norm
 
 
 def weights_finite(model: paddle.nn.Layer) -> bool:

@@ -173,7 +173,7 @@ def load(net: paddle.nn.Layer, path: Path, classes: tuple, source_classes: tuple
     )
 
 
-def start(cfg: Config, env: DistEnv, log: logging.Logger, stopped: Callable[[], int]) -> Callable:
+def weights_loader(cfg: Config, env: DistEnv, log: logging.Logger, stopped: Callable[[], int]) -> Callable:
     """A function that loads the start into a network just built and returns the names it loaded, on every rank
     alike: a rank that fails makes every rank refuse, and the ranks agree on the loaded weights' digest (a file that
     differs between machines is named, not trained on)."""

@@ -87,7 +87,7 @@ class RunFiles:
             code = f" ({errno.errorcode[e.errno]})" if e.errno in errno.errorcode else ""
             self.failure = self.failure or f"cannot write {path}: {e.strerror or e}{code}"
 
-    def start(self, resumed_epoch: int | None, resumed_step: int = 0, log: logging.Logger | None = None) -> None:
+    def open(self, resumed_epoch: int | None, resumed_step: int = 0, log: logging.Logger | None = None) -> None:
         """Write config.json; on resume, drop metrics rows past the checkpoint, on overwrite, all of them.
 
         With --visualdl, open the dashboard at the checkpoint's step and pass it the progress lines of `log`.

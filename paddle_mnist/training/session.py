@@ -107,7 +107,7 @@ def log_epoch(
 class Session:
     """One session of a run, from the first meeting of the ranks to the last training step.
 
-    Ranks meet (one all-reduce of three numbers) at every epoch end and every few mid-epoch steps (Cadence: about
+    Ranks meet (one all-reduce of five numbers, meet()) at every epoch end and every few mid-epoch steps (Cadence: about
     every quarter second): a stop signal that reached only some ranks, or a failed write on rank 0, then stops all
     of them at the same step, after a checkpoint. An epoch whose training loss is still at chance well after the
     warmup (chance.stall_judged) ends training too, after its checkpoint: `stalled` then holds the error's text.
@@ -139,7 +139,7 @@ class Session:
         planned = cfg.epochs * self.batches_per_epoch
         self.last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
         self.cadence = preempt.Cadence()
-        self.dog = Watchdog(env, cfg.collective_timeout, log)
+        self.watchdog = Watchdog(env, cfg.collective_timeout, log)
         self.profile = ProfileWindow(profile_window(cfg.profile_steps), cfg.output_dir, env, log)
         self.started = time.time()
         self.eval_images = eval_images  # one evaluation's, for the estimate of the run's time
@@ -154,11 +154,11 @@ class Session:
             raise stopped(signum, self.state.step, "before training", self.resumed, self.sender)
         self.started = time.time() - self.state.trained_before  # wall time covers every session of the run
         self.profile.begin(self.state.step)
-        self.dog.__enter__()
+        self.watchdog.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.dog.__exit__(*exc)
+        self.watchdog.__exit__(*exc)
         if exc[0] is None:
             self.profile.finish()  # training ended inside the window: write what was recorded
 
@@ -194,7 +194,7 @@ class Session:
         self.clock.step()
         if self.clock.steps == timing.ESTIMATE_AFTER and self.env.is_main:
             self.log.info(self.estimate())
-        self.dog.progress(state.step)
+        self.watchdog.progress(state.step)
         self.profile.after_step(state.step)
         if state.lookahead:
             state.lookahead.update(state.step, state.planned_steps)
@@ -259,7 +259,7 @@ class Session:
         """Log and record the epoch, keep the best model, checkpoint, meet. True: --target-acc was reached, or the
         training loss stalled at chance (`stalled`)."""
         state, cfg = self.state, self.cfg
-        self.dog.progress(state.step)
+        self.watchdog.progress(state.step)
         row = epoch_row(cfg, self.env, state, stats, val)
         # an epoch ends short of its batches only where --max-steps comes first
         cut = (state.batch_in_epoch, self.batches_per_epoch) if state.batch_in_epoch < self.batches_per_epoch else None

@@ -74,7 +74,8 @@ class TrainState:
         self.best: dict | None = (
             None  # the epoch of highest validation accuracy: epoch, step, val_acc, val_loss, digest
         )
-        self.untrained: dict[str, list] = {"model": [], "ema": []}  # every rank's statistics, from a stop's checkpoint
+        # every rank's batch norm statistics, from a stop's checkpoint
+        self.running_statistics: dict[str, list] = {"model": [], "ema": []}
         self.lookahead = Lookahead(model) if cfg.lookahead else None
         # a step's gradient summed in float64 (network/exact.py): where oneDNN's convolutions run in float32 and
         # every trained layer can hand its gradient over in float64
@@ -89,20 +90,20 @@ class TrainState:
         env: DistEnv,
         steps_per_epoch: int,
         whitening=None,
-        start=None,
+        load_weights=None,
     ):
         """The same seed on every rank: the same initial weights everywhere. The schedule is planned over --epochs;
         --max-steps only stops early, so a stopped run can be resumed exactly. whitening: with --whiten, a function
-        that whitens the model's first convolution (whiten.whiten with the training images bound). start: with
+        that whitens the model's first convolution (whiten.whiten with the training images bound). load_weights: with
         --init-from or --pretrained, a function that loads what fits into the model and returns the names it
-        loaded (finetune.start), after the whitening, so loaded weights win, and before the moving average and
+        loaded (finetune.weights_loader), after the whitening, so loaded weights win, and before the moving average and
         the slow copy are taken of the model."""
         paddle.seed(cfg.seed)
         np.random.seed(cfg.seed)
         model = build_model(cfg.model, num_classes, image_shape)
         if whitening is not None:
             whitening(model)
-        loaded = start(model) if start is not None else ()
+        loaded = load_weights(model) if load_weights is not None else ()
         if cfg.sync_bn and env.device == "cpu":  # one process too: it computes batch norm as the workers do
             batchnorm.over_global_batch(model)
         elif cfg.sync_bn:
@@ -113,17 +114,17 @@ class TrainState:
         return cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned, loaded)
 
     @property
-    def scored(self) -> paddle.nn.Layer:
+    def evaluated_model(self) -> paddle.nn.Layer:
         """What is evaluated, saved as model.pdparams and exported: the moving average when there is one."""
         return self.ema.net if self.ema else self.model
 
-    def start(self, env: DistEnv) -> None:
+    def join_workers(self, env: DistEnv) -> None:
         """Wrap the network in DataParallel (which broadcasts rank 0's weights), then give each rank back its own
         batch norm statistics if a stop's checkpoint kept them."""
         self.model = distributed.wrap(self.model, env, self.cfg.cpu_sums, 8 if self.exact else 4)
-        distributed.set_untrained(self.model, self.untrained["model"], env)
+        distributed.set_running_statistics(self.model, self.running_statistics["model"], env)
         if self.ema:
-            distributed.set_untrained(self.ema.net, self.untrained["ema"], env)
+            distributed.set_running_statistics(self.ema.net, self.running_statistics["ema"], env)
 
     def average_statistics(self, env: DistEnv) -> None:
         """Every rank's batch norm statistics averaged (every rank takes part), so every rank then holds the ones rank
@@ -133,6 +134,12 @@ class TrainState:
         distributed.average_running_statistics(self.model, env)
         if self.ema:
             distributed.average_running_statistics(self.ema.net, env)
+
+    def advance(self) -> None:
+        """One optimizer step taken: the schedule and the position move on."""
+        self.sched.step()
+        self.step += 1
+        self.batch_in_epoch += 1
 
     def end_epoch(self, batches_per_epoch: int) -> None:
         if self.batch_in_epoch == batches_per_epoch:

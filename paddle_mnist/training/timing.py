@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 SAMPLED = ("forward", "backward", "optimizer")  # timed on sampled steps only
 EVERY_STEP = ("input_wait", "logging")  # host-side waits: two clock reads per step
@@ -39,22 +40,24 @@ class StepTimer:
         self.samples = 0
         self.compute = 0.0  # every step's
         self.sampled_compute = 0.0  # the sampled steps' alone
-        self._t = 0.0
 
     def wants(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def begin(self) -> None:
-        self._sync()
-        self._t = time.perf_counter()
+    def sampling(self, step: int) -> StepTimer | Untimed:
+        """What times step's phases: this timer on a sampled step, else UNTIMED, whose phases time nothing."""
+        return self if self.wants(step) else UNTIMED
 
-    def mark(self, phase: str) -> None:
-        """Close the phase that began at the last begin() or mark()."""
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Adds the time inside to the phase's, the device synchronised on the way in and out; the optimizer's phase
+        ends a sampled step."""
         self._sync()
-        now = time.perf_counter()
-        self.seconds[phase] += now - self._t
-        self._t = now
-        if phase == SAMPLED[-1]:
+        begun = time.perf_counter()
+        yield
+        self._sync()
+        self.seconds[name] += time.perf_counter() - begun
+        if name == SAMPLED[-1]:
             self.samples += 1
 
     def add(self, phase: str, seconds: float) -> None:
@@ -65,6 +68,16 @@ class StepTimer:
         self.compute += seconds
         if sampled:
             self.sampled_compute += seconds
+
+
+class Untimed:
+    """An unsampled step's timer: its phases are contexts that do nothing."""
+
+    def phase(self, name: str) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+
+UNTIMED = Untimed()
 
 
 def shares(

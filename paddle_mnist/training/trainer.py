@@ -1,8 +1,5 @@
 """The trainer: train_and_evaluate runs one job on one worker (data, model, resume, epochs, the test score, the
 final weights, results and export), with the agreements every rank must reach before it goes on.
-
-Long because each agreement before training (output directory, resume, data, the first evaluation)
-needs its own check on every rank, beside the job itself.
 """
 
 from __future__ import annotations
@@ -283,8 +280,8 @@ def _splits(cfg: Config, ds: data.Dataset, parts: int) -> tuple[data.Split, data
     return train, val, test
 
 
-def _start(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals, resumed: Path | None):
-    """finetune.start's loader for TrainState.create with --init-from or --pretrained; None without, and on a
+def _weights_loader(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals, resumed: Path | None):
+    """finetune.weights_loader's loader for TrainState.create with --init-from or --pretrained; None without, and on a
     resume, which continues the checkpoint (its weights, and its record of the loaded layers) instead."""
     if not starts_from_weights(cfg):
         return None
@@ -292,7 +289,7 @@ def _start(cfg: Config, env: DistEnv, log: logging.Logger, stop: StopSignals, re
         flag = f"--init-from {cfg.init_from}" if cfg.init_from else f"--pretrained {cfg.pretrained}"
         log.info(f"{flag} is not read: the run continues from its checkpoint {resumed} (a resume wins)")
         return None
-    return finetune.start(cfg, env, log, lambda: stop.signum)
+    return finetune.weights_loader(cfg, env, log, lambda: stop.signum)
 
 
 def train_and_evaluate(
@@ -346,18 +343,18 @@ def train_and_evaluate(
     files = RunFiles(cfg, env)
     checkpoints = Checkpoints(cfg, env, log, files)
     resumed = checkpoints.choose()  # first: a resume does not read --init-from's weights
-    start = _start(cfg, env, log, stop, resumed)
-    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, start)
+    load_weights = _weights_loader(cfg, env, log, stop, resumed)
+    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, load_weights)
     table = _log_model(cfg, env, log, ds, state.model)
     for line in _exactness(cfg, env, state):
         log.info(line)
     if resumed:
         checkpoints.resume(state, resumed)
-    files.start(state.epoch if resumed else None, state.step, log)
+    files.open(state.epoch if resumed else None, state.step, log)
     files.write_text(options.ARGS_FILE, options.args_yaml(flags, command or shlex.join([sys.executable, *sys.argv])))
     if table:
         files.write_text(MODEL_SUMMARY, table)
-    state.start(env)
+    state.join_workers(env)
     if env.carrier.note:
         log.info(env.carrier.note)
 
@@ -388,7 +385,8 @@ def train_and_evaluate(
                 session.after_step(epoch.loss_sum)
             state.average_statistics(env)
             # --tta costs two to six passes: it scores every epoch only where --target-acc judges them
-            val = engine.evaluate(state.scored, val_split, ds, cfg, env, session.dog.alive, tta=tta_each_epoch(cfg))
+            alive = session.watchdog.alive
+            val = engine.evaluate(state.evaluated_model, val_split, ds, cfg, env, alive, tta=tta_each_epoch(cfg))
             if session.end_epoch(epoch.stats, val):
                 break
     return _finish(cfg, env, log, state=state, files=files, session=session, ds=ds, test=test, last_eval=val)
@@ -409,7 +407,7 @@ def _finish(
     """The last weights, the test score (last_eval when the last evaluation was on the test split), results,
     export; then chance.LearnedNothing, on every rank alike, when the run stalled or its test accuracy is no better
     than chance."""
-    net = distributed.unwrap(state.scored)
+    net = distributed.unwrap(state.evaluated_model)
     files.save_weights(net)
     reuse = last_eval is not None and ds.val_is_test and (tta_each_epoch(cfg) or not cfg.tta)
     final = last_eval if reuse else engine.evaluate(net, test, ds, cfg, env, tta=True)
