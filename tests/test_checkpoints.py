@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import paddle
 import pytest
 
 from paddle_mnist.config import Config, ConfigError
 from paddle_mnist.files import checkpoint
 from paddle_mnist.runtime.distributed import DistEnv
+from paddle_mnist.training import checkpoints as checkpoints_module
 from paddle_mnist.training import engine
 from paddle_mnist.training.checkpoints import Checkpoints
 from paddle_mnist.training.outputs import BEST_WEIGHTS, RunFiles
@@ -70,3 +72,14 @@ def test_no_intact_checkpoint_stops_the_resume_and_a_failed_write_names_the_last
     only.write_bytes(b"not a checkpoint")
     with pytest.raises(ConfigError, match="no intact checkpoint"):
         Checkpoints(cfg, ONE, LOG, RunFiles(cfg, ONE)).choose()
+
+
+def test_a_stop_checkpoint_from_before_the_rename_still_gives_each_rank_its_statistics():
+    """Stop checkpoints kept every rank's batch norm statistics as untrained_by_rank until 2026-11-28, now as
+    running_statistics_by_rank: a resume reads either, the new name first."""
+    old, new = [np.arange(3.0)], [np.ones(3)]
+    assert checkpoints_module._by_rank({"untrained_by_rank": old}, "running_statistics_by_rank") is old
+    assert checkpoints_module._by_rank({"ema_untrained_by_rank": old}, "ema_running_statistics_by_rank") is old
+    both = {"untrained_by_rank": old, "running_statistics_by_rank": new}
+    assert checkpoints_module._by_rank(both, "running_statistics_by_rank") is new
+    assert checkpoints_module._by_rank({}, "running_statistics_by_rank") == []

@@ -70,6 +70,20 @@ def test_each_model_trains_with_its_own_recipe_unless_a_flag_says_otherwise():
     assert config.parse_args([]) == config.Config()  # a Config built in code holds the default model's recipe
 
 
+def test_a_config_built_in_code_for_a_model_holds_that_models_recipe():
+    """Config(model="mnist_cnn") once had the default model's warmup (0.0, not 0.2) and said it came from the
+    recipe: tests and scripts built Configs that way. The dataclass fills the recipe in, as the parser does."""
+    for name, recipe in config.RECIPES.items():
+        cfg = config.Config(model=name)
+        assert cfg == config.parse_args(["--model", name]), name
+        assert {f: getattr(cfg, f) for f in config.RECIPE_FLAGS} == dataclasses.asdict(recipe), name
+        assert cfg.from_recipe == config.RECIPE_FLAGS
+    given = config.Config(model="cifar_fast", lr=0.1, whiten=False)
+    assert (given.lr, given.whiten, given.batch_size) == (0.1, False, 256)
+    assert "lr" not in given.from_recipe and "whiten" not in given.from_recipe and "batch_size" in given.from_recipe
+    assert dataclasses.replace(given, model="mnist_cnn").lr == 0.1  # a value, once set, stays
+
+
 def test_help_lists_every_recipe():
     text = config.build_parser().format_help()
     for name, r in config.RECIPES.items():
