@@ -134,21 +134,21 @@ def shift_and_flip(
     """uint8 (N, C, H, W) -> a new uint8 batch of the same shape, each image shifted and maybe flipped.
 
     images are places position .. position + N - 1 of a global batch of `total` images (N when None), or the
-    places in the array `position`: the draws are made for all `total` and this share takes its own, so a worker's
+    places in the array `position`: the draws are made for all `total` and these images take theirs, so a worker's
     images get the shifts and flips one process training the whole global batch would give them.
     """
     n, _, h, w = images.shape
     total = n if total is None else total
-    share = slice(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
+    places = slice(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
     out = images
     if policy.pad:
         p = policy.pad
         padded = np.pad(images, ((0, 0), (0, 0), (p, p), (p, p)))
         windows = sliding_window_view(padded, (h, w), axis=(2, 3))  # (N, C, 2p+1, 2p+1, H, W), a view
-        dy, dx = rng.integers(0, 2 * p + 1, size=(2, total))[:, share]
+        dy, dx = rng.integers(0, 2 * p + 1, size=(2, total))[:, places]
         out = windows[np.arange(n), :, dy, dx]  # the advanced indices gather one crop per image: (N, C, H, W)
     if policy.flip:
-        mirror = rng.random(total)[share] < 0.5
+        mirror = rng.random(total)[places] < 0.5
         out = out.copy() if out is images else out
         out[mirror] = out[mirror, :, :, ::-1]
     return out

@@ -101,9 +101,9 @@ def shares(
     return {p: out[p] for p in PHASES}
 
 
-def describe(share: dict[str, float | None], step_ms: float, samples: int, workers: int = 1) -> str:
+def describe(shares: dict[str, float | None], step_ms: float, samples: int, workers: int = 1) -> str:
     labels = {**LABELS, "backward": "backward+all-reduce"} if workers > 1 else LABELS
-    parts = [f"{labels[p]} {100 * v:.1f}%" for p, v in share.items() if v is not None]
+    parts = [f"{labels[p]} {100 * v:.1f}%" for p, v in shares.items() if v is not None]
     return f"step {step_ms:.1f} ms: " + ", ".join(parts) + f" ({samples} sampled steps)"
 
 
