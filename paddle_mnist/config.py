@@ -77,18 +77,18 @@ OPEN_DEFAULTS += ("whiten", "nesterov", "weight_decay", "init_lr_scale", "freeze
 
 def recipe_table() -> str:
     """The recipes as --help shows them."""
+    width = max(map(len, RECIPES))
     lines = ["default recipes by --model (a flag given on the command line wins):"]
-    lines.append(f"  {'model':<16} {'lr':>6} {'warmup':>7} {'epochs':>7} {'weight decay':>13}  batch")
+    lines.append(f"  {'model':<{width}} {'lr':>6} {'warmup':>7} {'epochs':>7} {'weight decay':>13}  batch")
     for name, r in RECIPES.items():
         batch = r.batch_size or f"{PER_WORKER_BATCH} x workers"
-        more = f", label smoothing {r.label_smoothing:g}" if r.label_smoothing else ""
-        more += ", whiten" if r.whiten else ""
-        more += ", nesterov" if r.nesterov else ""
-        lines.append(
-            f"  {name:<16} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}{more}"
-        )
-    lines.append("A small training split trains more epochs than the table says: unless --epochs is given, the")
-    lines.append(f"schedule, warmup included, is stretched to at least --min-steps ({MIN_STEPS}) optimizer steps.")
+        lines.append(f"  {name:<{width}} {r.lr:>6g} {r.warmup_epochs:>7g} {r.epochs:>7} {r.weight_decay:>13g}  {batch}")
+    for name, r in RECIPES.items():  # the rest of a recipe below the table, whose rows stay within 80 columns
+        more = [f"--label-smoothing {r.label_smoothing:g}"] if r.label_smoothing else []
+        more += ["--whiten"] * r.whiten + ["--nesterov"] * r.nesterov
+        lines += [f"  {name} also: {', '.join(more)}"] if more else []
+    lines.append("Without --epochs a small training split trains more epochs than the table says:")
+    lines.append(f"the schedule, warmup included, stretches to --min-steps ({MIN_STEPS}) optimizer steps.")
     return "\n".join(lines)
 
 
@@ -195,7 +195,10 @@ def _add_count(p: argparse.ArgumentParser, flag: str, help: str) -> None:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in the help, and the recipe table kept as laid out."""
+    """Defaults in the help, but None and '' (a default the run works out, or off), which the help says in words."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None or action.default == "" else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py",
         description=(
-            "Data-parallel image classification with PaddlePaddle. Start it as any Paddle job: "
-            "python -m paddle.distributed.launch --nproc_per_node 2 --log_dir log train.py [options]"
+            "Data-parallel image classification with PaddlePaddle.\nStart it as any Paddle job:\n"
+            "  python -m paddle.distributed.launch --nproc_per_node 2 --log_dir log \\\n      train.py [options]"
         ),
         epilog=recipe_table(),
         formatter_class=HelpFormatter,
@@ -229,33 +232,34 @@ def _data(p: argparse.ArgumentParser, d: Config) -> None:
         "--data-dir",
         default=d.data_dir,
         help="folder (or the archive or .json.gz file itself) holding the dataset "
-        "(None: data/<dataset> in this repository; python -m paddle_mnist.download puts it there)",
+        "(default: data/<dataset> in this repository, where python -m paddle_mnist.download puts it)",
     )
     p.add_argument(
         "--augment",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="random shifts (and flips where the classes allow) on each training batch "
-        f"(None: on for {', '.join(AUGMENTED_BY_DEFAULT)}, off otherwise)",
+        f"(default: on for {', '.join(AUGMENTED_BY_DEFAULT)}, off otherwise)",
     )
     p.add_argument(
         "--shift",
         type=_non_negative("--shift"),
         default=d.shift,
         help="with --augment: largest random shift in pixels, 0 for flips only "
-        "(None: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/14 of the image's shorter side, rounded down, "
+        "(default: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/14 of the image's shorter side, rounded down, "
         "at least 1)",
     )
 
 
 def _length(p: argparse.ArgumentParser, d: Config) -> None:
-    p.add_argument("--model", default=d.model, choices=tuple(RECIPES), help="network to train")
+    models = f"network to train: {', '.join(RECIPES)}; its recipe: the table at the end"
+    p.add_argument("--model", default=d.model, choices=tuple(RECIPES), metavar="MODEL", help=models)
     p.add_argument(
         "--epochs",
         type=_non_negative("--epochs"),
-        help="passes over the training split (None: the model's recipe, more on a small training split: --min-steps); "
-        "with --resume, another value re-plans the schedule from the checkpoint's step over this many epochs, "
-        "logged (poly: the rate jumps to the new plan's and decays to 0 at the new end), e.g. to extend a "
+        help="passes over the training split (default: the model's recipe, more on a small training split: "
+        "--min-steps); with --resume, another value re-plans the schedule from the checkpoint's step over this many "
+        "epochs, logged (poly: the rate jumps to the new plan's and decays to 0 at the new end), e.g. to extend a "
         "finished run",
     )
     _add_count(
@@ -276,10 +280,10 @@ def _batch(p: argparse.ArgumentParser, d: Config) -> None:
         "--batch-size",
         type=_non_negative("--batch-size"),
         help="global batch of one optimizer step, split evenly across workers "
-        f"(None: the model's recipe; 0: {PER_WORKER_BATCH} x workers)",
+        f"(default: the model's recipe; 0: {PER_WORKER_BATCH} x workers)",
     )
     _add_count(p, "--eval-batch-size", "per-worker eval batch")
-    p.add_argument("--lr", type=float, help="base learning rate (None: the model's recipe)")
+    p.add_argument("--lr", type=float, help="base learning rate (default: the model's recipe)")
     p.add_argument(
         "--lr-schedule",
         default=d.lr_schedule,
@@ -290,7 +294,7 @@ def _batch(p: argparse.ArgumentParser, d: Config) -> None:
         "--warmup-epochs",
         type=float,
         help="raise the learning rate linearly from 0 over this many epochs, then decay as --lr-schedule says "
-        "(None: the model's recipe)",
+        "(default: the model's recipe)",
     )
     p.add_argument(
         "--lr-scaling",
@@ -311,7 +315,9 @@ def _gpus(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--sync-bn",
         action="store_true",
-        help="batch norm over the whole global batch, not each worker's shard (on CPU: as one process, to the bit)",
+        help="batch norm over the global batch (with --accum-steps: the global micro-batch), not each worker's shard; "
+        "on CPU, in one process or on any number of workers, its sums in float64, so N workers train one process's "
+        "weights to the bit (docs/exactness.md); on GPUs, Paddle's SyncBatchNorm across them. Exports plain batch norm",
     )
     p.add_argument(
         "--amp",
@@ -327,9 +333,9 @@ def _optimiser(p: argparse.ArgumentParser, d: Config) -> None:
         "--nesterov",
         action=argparse.BooleanOptionalAction,
         help="Nesterov momentum (the step looks ahead along the momentum); --no-nesterov: plain momentum "
-        "(None: the model's recipe, plain but for cifar_fast)",
+        "(default: the model's recipe, plain but for cifar_fast)",
     )
-    p.add_argument("--weight-decay", type=float, help="L2 weight decay (None: the model's recipe)")
+    p.add_argument("--weight-decay", type=float, help="L2 weight decay (default: the model's recipe)")
     p.add_argument(
         "--clip-grad-norm",
         type=float,
@@ -340,14 +346,14 @@ def _optimiser(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument(
         "--label-smoothing",
         type=float,
-        help="share of each training target spread evenly over all classes (0: plain cross-entropy; None: the "
-        "model's recipe, 0 but for cifar_fast)",
+        help="share of each training target spread evenly over all classes, 0 for plain cross-entropy (default: "
+        "the model's recipe, 0 but for cifar_fast)",
     )
     p.add_argument(
         "--whiten",
         action=argparse.BooleanOptionalAction,
         help="start the first convolution as a whitening of the training images' patches (its filters the patches' "
-        "principal directions, scaled to unit variance); --no-whiten: as built (None: the model's recipe)",
+        "principal directions, scaled to unit variance); --no-whiten: as built (default: the model's recipe)",
     )
     p.add_argument(
         "--ema",
@@ -390,7 +396,7 @@ def _evaluation(p: argparse.ArgumentParser, d: Config) -> None:
 def _sample(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed for weights and data order (same on every rank)")
     _add_count(p, "--train-limit", "use only the first N training images (0: all)")
-    _add_count(p, "--eval-limit", "use only the first N test images (0: all)")
+    _add_count(p, "--eval-limit", "score only the first N validation images and the first N test images (0: all)")
 
 
 def _outputs(p: argparse.ArgumentParser, d: Config) -> None:
@@ -413,12 +419,8 @@ def _outputs(p: argparse.ArgumentParser, d: Config) -> None:
         "--warmup-epochs, --lr-schedule or --lr-scaling re-plans the learning-rate schedule from the checkpoint's "
         "step, and one line says so",
     )
-    p.add_argument(
-        "--overwrite", action="store_true", help="start afresh even if --output-dir holds an earlier run's results"
-    )
-    _add_count(
-        p, "--save-every-steps", "also checkpoint every N optimizer steps inside an epoch (0: at epoch ends only)"
-    )
+    p.add_argument("--overwrite", action="store_true", help="start afresh even if --output-dir holds earlier results")
+    _add_count(p, "--save-every-steps", "also checkpoint every N optimizer steps (0: at epoch ends only)")
     _add_count(p, "--keep-checkpoints", "checkpoints kept")
     _add_count(p, "--log-every", "steps between progress lines")
     p.add_argument(
@@ -434,8 +436,8 @@ def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
         "--collective-timeout",
         type=float,
         default=d.collective_timeout,
-        help="seconds without progress before waiting workers exit, naming the one that stalled (0: no "
-        "watchdog; None: 15 on CPU, where gloo aborts a collective that waited 30 s without naming anyone and "
+        help="seconds without progress before waiting workers exit, naming the one that stalled; 0: no watchdog "
+        "(default: 15 on CPU, where gloo aborts a collective that waited 30 s without naming anyone and "
         "Paddle cannot change that, so the watchdog must come first; 300 on GPUs, where NCCL waits without end)",
     )
     _add_count(p, "--cpu-threads", "CPU math threads per worker (0: cores / workers on this node)")
@@ -460,7 +462,7 @@ def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
         default=d.profile_steps,
         metavar="A:B",
         help="record optimizer steps A to B (counted from 1 over the whole run) with paddle.profiler on every worker; "
-        "the trace and the operator table go to OUTPUT_DIR/profile/, the five costliest operators to the log",
+        "the trace and operator table to OUTPUT_DIR/profile/, the five costliest operators to the log (default: off)",
     )
 
 
@@ -472,7 +474,7 @@ def _start(p: argparse.ArgumentParser, d: Config) -> None:
         metavar="PATH",
         help="start from another run's weights: its output directory (model.pdparams, with its config.json) or a "
         ".pdparams file. Every tensor whose name and shape fit --model is loaded; the rest starts anew (the "
-        "classifier, when the classes differ). With --resume and a checkpoint, the checkpoint wins ('': off)",
+        "classifier, when the classes differ). With --resume and a checkpoint, the checkpoint wins (default: off)",
     )
     start.add_argument(
         "--pretrained",
@@ -482,19 +484,19 @@ def _start(p: argparse.ArgumentParser, d: Config) -> None:
         metavar="FILE",
         help=f"--model {' or '.join(PRETRAINED_MODELS)} starts from Paddle's ImageNet weights: from Paddle's cache "
         "(~/.cache/paddle/hapi/weights), downloaded there by Paddle when missing; --pretrained FILE: from that "
-        ".pdparams file. The classifier starts anew unless the data has 1,000 classes ('': off)",
+        ".pdparams file. The classifier starts anew unless the data has 1,000 classes (default: off)",
     )
     start.add_argument(
         "--init-lr-scale",
         type=float,
         help="with --init-from or --pretrained: the loaded layers train at this times the learning rate, the new "
-        f"ones at the full rate (None: {FINETUNE_LR_SCALE:g} with a start, the fine-tuning default)",
+        f"ones at the full rate (default: {FINETUNE_LR_SCALE:g})",
     )
     start.add_argument(
         "--freeze-epochs",
         type=_non_negative("--freeze-epochs"),
         help="with --init-from or --pretrained: the loaded layers stay as loaded for this many epochs, then train "
-        f"at --init-lr-scale (None: {FINETUNE_FREEZE_EPOCHS} with a start)",
+        f"at --init-lr-scale (default: {FINETUNE_FREEZE_EPOCHS})",
     )
 
 
@@ -504,7 +506,7 @@ def _folder(p: argparse.ArgumentParser, d: Config) -> None:
         "--image-size",
         default=d.image_size,
         metavar="W[xH]",
-        help="resize every image to W x W or W x H pixels ('': the most common size in train/, scaled down to a "
+        help="resize every image to W x W or W x H pixels (default: the most common size in train/, scaled down to a "
         "shorter side of 64 and a longer side of 256 where larger, aspect kept)",
     )
     folder.add_argument(
@@ -538,17 +540,16 @@ def _folder(p: argparse.ArgumentParser, d: Config) -> None:
         default=d.labels,
         metavar="FILE",
         help="in place of --data-dir: the training images listed in FILE, a CSV with a path,label header or "
-        "PaddleClas's 'path label' lines; paths relative to FILE's folder, class names the labels",
+        "PaddleClas's 'path label' lines; paths relative to FILE's folder, class names the labels (default: none)",
     )
     folder.add_argument(
         "--val-labels",
         default=d.val_labels,
         metavar="FILE",
-        help="with --labels: the validation images' label file ('': --val-split of --labels' rows held out)",
+        help="with --labels: the validation images' label file (default: --val-split of --labels' rows held out)",
     )
-    folder.add_argument(
-        "--test-labels", default=d.test_labels, metavar="FILE", help="with --labels: the test images' label file"
-    )
+    test = "with --labels: the test images' label file (default: none)"
+    folder.add_argument("--test-labels", default=d.test_labels, metavar="FILE", help=test)
     p.set_defaults(classes=d.classes)
 
 

@@ -85,10 +85,26 @@ def test_a_config_built_in_code_for_a_model_holds_that_models_recipe():
 
 
 def test_help_lists_every_recipe():
-    text = config.build_parser().format_help()
+    text = config.build_parser().format_help().split("default recipes by --model")[1]  # the table, not a flag's help
     for name, r in config.RECIPES.items():
         row = next(line.split() for line in text.splitlines() if line.split()[:1] == [name])
         assert [float(v) for v in row[1:5]] == [r.lr, r.warmup_epochs, r.epochs, r.weight_decay]
+
+
+def test_help_says_each_default_in_words_and_fits_80_columns(monkeypatch):
+    """An option whose default the run works out (None in the parser) or that is off as '' says its default in
+    words: argparse's own "(default: None)" (14 options printed it) and "(default: )" told a reader nothing."""
+    monkeypatch.setenv("COLUMNS", "80")  # argparse wraps to the terminal's width
+    parser = config.build_parser()
+    text = parser.format_help()
+    flat = " ".join(text.split())  # a wrapped "(default:\n None)" too
+    assert "(default: None)" not in flat and "(default: )" not in flat
+    worked_out = [a for a in parser._actions if a.default is None or a.default == ""]
+    assert {a.dest for a in worked_out} >= set(config.OPEN_DEFAULTS)
+    for action in worked_out:
+        assert "(default: " in action.help, action.option_strings
+    assert "(default: 500)" in flat and "(default: fashion-mnist)" in flat  # the others keep argparse's
+    assert max(len(line) for line in text.splitlines()) <= 80, [line for line in text.splitlines() if len(line) > 80]
 
 
 def test_config_round_trips_through_json(tmp_path):

@@ -107,3 +107,12 @@ def test_the_kernel_probe_passes_where_kernels_run_and_names_a_card_without_them
         launch.check_gpu_kernels("gpu:0", probe=no_image, card=h100)
     with pytest.raises(RuntimeError, match="out of memory"):
         launch.check_gpu_kernels("gpu:0", probe=out_of_memory, card=h100)
+
+
+def test_help_is_the_launchers_own_only_before_the_training_script():
+    """python -m paddle_mnist.launch --help prints what it checks, then Paddle's help (test_packaging runs it);
+    train.py --help after the script is the trainer's, for the workers to print."""
+    assert launch.asks_for_help(["--help"]) and launch.asks_for_help(["--nnodes", "2", "-h"])
+    assert not launch.asks_for_help(["--nproc_per_node", "2", "train.py", "--help"])
+    assert not launch.asks_for_help(["--nproc_per_node", "2", "train.py"])
+    assert launch.HELP.startswith("usage: python -m paddle_mnist.launch ")

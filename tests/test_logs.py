@@ -432,7 +432,9 @@ def test_command_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main([str(tmp_path), str(tmp_path / "empty")]) == 2
     assert "empty: no workerlog.N files; pass the launcher's --log_dir of each machine" in capsys.readouterr().err
-    assert main(["--help"]) == 0 and "usage: python -m paddle_mnist.logs" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "usage: python -m paddle_mnist.logs" in capsys.readouterr().out
 
 
 def _launchers_on_two_machines(tmp_path: Path, args: list[str]) -> list[subprocess.Popen]:

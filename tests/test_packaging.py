@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, launch_env
 
 COMMANDS = {  # command -> the module that `python -m` runs for the same job
     "paddle-mnist-train": "paddle_mnist.start",
@@ -20,6 +20,9 @@ COMMANDS = {  # command -> the module that `python -m` runs for the same job
     "paddle-mnist-download": "paddle_mnist.datasets.download",
     "paddle-mnist-export": "paddle_mnist.deploy.export",
     "paddle-mnist-preflight": "paddle_mnist.runtime.preflight",
+    "paddle-mnist-evaluate": "paddle_mnist.training.evaluate",
+    "paddle-mnist-plots": "paddle_mnist.files.plots",
+    "paddle-mnist-launch": "paddle_mnist.runtime.launch",
 }
 
 
@@ -44,7 +47,53 @@ def test_console_commands_resolve_to_the_modules_main():
         assert resolve(declared[name]) is importlib.import_module(module).main, name
     dist = metadata.distribution("paddle_mnist")  # not installed: the README's `pip install -r requirements.txt -e .`
     installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
-    assert installed == declared
+    assert installed == declared, "pyproject.toml's [project.scripts] changed since the install: pip install -e ."
+
+
+def documented_commands() -> set[str]:
+    """Every `python -m paddle_mnist.NAME` that the README and docs/ tell a reader to run, as NAME."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return {name for page in pages for name in re.findall(r"python -m paddle_mnist\.([a-z_]+)", page.read_text())}
+
+
+def test_every_command_the_docs_name_has_a_console_command_running_the_same_main():
+    """`python -m paddle_mnist.NAME` is also paddle-mnist-NAME, and `python train.py` paddle-mnist-train: the same
+    function, importable and callable, whichever way a user starts it."""
+    declared = toml((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    names = documented_commands()
+    assert {"evaluate", "launch", "logs", "plots", "predict"} <= names  # the pattern still finds the docs' commands
+    for name in sorted(names):
+        assert f"paddle-mnist-{name}" in declared, f"python -m paddle_mnist.{name} has no paddle-mnist-{name}"
+        target = resolve(declared[f"paddle-mnist-{name}"])
+        assert callable(target) and target is importlib.import_module(f"paddle_mnist.{name}").main, name
+    assert resolve(declared["paddle-mnist-train"]) is importlib.import_module("paddle_mnist.start").main
+    assert "from paddle_mnist.start import main" in (REPO / "train.py").read_text()
+
+
+def command_help(name: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", f"paddle_mnist.{name}", "--help"]
+    return subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(documented_commands() - {"launch"}))
+def test_every_command_the_docs_name_has_a_help_of_its_own(name):
+    """Its own usage line first, and a description: a bare usage line told a reader nothing of what it does."""
+    proc = command_help(name)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: python -m paddle_mnist.{name} "), proc.stdout[:200]
+    assert len(proc.stdout.split("\n\n")) >= 3, proc.stdout  # the usage, a description, the arguments
+
+
+@pytest.mark.slow
+def test_the_launchers_help_says_what_it_checks_then_gives_paddles():
+    """python -m paddle_mnist.launch --help once printed Paddle's launcher's help alone, nothing of its checks."""
+    proc = command_help("launch")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours, _, paddles = proc.stdout.partition(
+        "Paddle's launcher's options (python -m paddle.distributed.launch --help):"
+    )
+    assert ours.startswith("usage: python -m paddle_mnist.launch ") and "GLOO_SOCKET_IFNAME" in ours, ours
+    assert "--nproc_per_node" in paddles and "training_script" in paddles, paddles[:500]
 
 
 def documented_scripts() -> set[str]:

@@ -13,6 +13,7 @@ from workerlog.0, so ranks are told apart by the global rank in their lines' tag
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from dataclasses import dataclass
@@ -582,18 +583,37 @@ def summarise(log_dirs: Path | list[Path], launcher_output: list[Path] | None = 
     return "\n".join(out)
 
 
-USAGE = (
-    "usage: python -m paddle_mnist.logs LOG_DIR [LOG_DIR ...] [LAUNCHER_OUTPUT ...] (the launcher's --log_dir, one "
-    "per machine for a job on several, and files holding what the launcher itself printed, for its exit codes and "
-    "ABORT!!! lines)"
-)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m paddle_mnist.logs",
+        usage="%(prog)s LOG_DIR [LOG_DIR ...] [LAUNCHER_OUTPUT ...]",
+        description=(
+            "Summarise a job's logs: each rank's progress and status, the first worker to\n"
+            "stop, its likely cause with the lines that show it and the fix, and the last\n"
+            "checkpoint written. It reads files only (each worker's workerlog.N and the\n"
+            "facts the trainer writes beside it), during a job or after it."
+        ),
+        epilog=(
+            "examples:\n"
+            "  python -m paddle_mnist.logs log launcher.out\n"
+            "  python -m paddle_mnist.logs log-0 log-1 launcher-0.out launcher-1.out\n"
+            "(the second: a job on two machines, one --log_dir and launcher output each)"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="in any order: LOG_DIR, the launcher's --log_dir (one per machine for a job on several), and "
+        "LAUNCHER_OUTPUT, a file holding what the launcher itself printed (its exit codes and ABORT!!! lines)",
+    )
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] in (["-h"], ["--help"]):
-        print(USAGE)
-        return 0
+    parser = build_parser()
+    args = parser.parse_args(argv).paths
     paths = [Path(a) for a in args]
     if lost := [a for a, p in zip(args, paths) if not p.exists()]:
         print(
@@ -603,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dirs, files = [p for p in paths if p.is_dir()], [p for p in paths if not p.is_dir()]
     if not dirs:
-        print(USAGE, file=sys.stderr)
+        parser.print_usage(sys.stderr)
+        print("error: pass the launcher's --log_dir, the folder of its workerlog.N files", file=sys.stderr)
         return 2
     try:
         print(summarise(dirs, files))

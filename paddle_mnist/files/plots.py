@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -47,20 +48,24 @@ def plot_curves(metrics_path: Path, out_path: Path) -> None:
     plt.close(fig)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m paddle_mnist.plots",
+        usage="%(prog)s OUTPUT_DIR",
+        description="Redraw a run's loss and accuracy curves, the picture the trainer draws as it goes: "
+        "OUTPUT_DIR/metrics.jsonl (one row per epoch, written by the trainer's rank 0) into OUTPUT_DIR/curves.png. "
+        "It reads files only, so any run can be redrawn, during its training or after; it prints the picture's path.",
+    )
+    p.add_argument("output_dir", metavar="OUTPUT_DIR", help="the trainer's --output-dir")
+    p.add_argument("--low-priority", action="store_true", help=argparse.SUPPRESS)  # the trainer's drawing child
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["--low-priority"]:  # the trainer's drawings yield the CPU to training
-        args = args[1:]
-        if hasattr(os, "nice"):
-            os.nice(19)
-    usage = "usage: python -m paddle_mnist.plots OUTPUT_DIR: draws OUTPUT_DIR/metrics.jsonl into OUTPUT_DIR/curves.png"
-    if args in (["-h"], ["--help"]):
-        print(usage)
-        return 0
-    if len(args) != 1 or args[0].startswith("-"):
-        print(usage, file=sys.stderr)
-        return 2
-    folder = Path(args[0])
+    args = build_parser().parse_args(argv)
+    if args.low_priority and hasattr(os, "nice"):  # the trainer's drawings yield the CPU to training
+        os.nice(19)
+    folder = Path(args.output_dir)
     metrics = folder / METRICS_FILE
     if not metrics.is_file():
         print(f"error: {metrics} not found; pass the --output-dir of a run", file=sys.stderr)

@@ -211,6 +211,34 @@ def device_capability(device: str) -> tuple[int, int] | None:
     return tuple(paddle.device.cuda.get_device_capability(device))
 
 
+HELP = """usage: python -m paddle_mnist.launch [LAUNCHER OPTIONS] train.py [OPTIONS]
+
+Paddle's launcher with a check first: it takes the arguments of
+python -m paddle.distributed.launch unchanged and becomes that launcher with them.
+For a job on several machines (--nnodes 2 or more, and a --master neither on
+loopback nor etcd://), it first checks what would leave this machine hanging or
+failing: --master is IP:PORT; --host, if given, is an address of this machine;
+without --host, the hostname resolves neither to loopback nor, on the master's
+machine, to another address than --master's; and for CPU workers (no --gpus,
+--devices or --selected_gpus), GLOO_SOCKET_IFNAME names an interface of this
+machine or, unset, the hostname's address, which gloo advertises, is not loopback.
+Each problem is one line on stderr with its fix; then it exits with status 1 and
+starts no worker. python -m paddle_mnist.preflight checks a machine in full.
+
+Paddle's launcher's options (python -m paddle.distributed.launch --help):
+"""
+
+
+def asks_for_help(argv: list[str]) -> bool:
+    """-h or --help among the launcher's options, before the training script (whose own flags follow it)."""
+    for arg in argv:
+        if arg.endswith(".py") and not arg.startswith("-"):
+            return False
+        if arg in ("-h", "--help"):
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Check this machine for the launcher's command line, then replace this process with Paddle's launcher."""
     import sys
@@ -218,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     from paddle_mnist.runtime import preflight
 
     argv = sys.argv[1:] if argv is None else argv
+    if asks_for_help(argv):  # this command's own paragraph, then Paddle's launcher prints its options
+        print(HELP, flush=True)
+        os.execv(sys.executable, [sys.executable, "-m", "paddle.distributed.launch", "--help"])
     problems = preflight.launch_problems(argv, os.environ)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr, flush=True)
