@@ -13,7 +13,7 @@ from paddle_mnist.config import Config, ConfigError
 from paddle_mnist.files import checkpoint
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import checkpoints as checkpoints_module
-from paddle_mnist.training import engine
+from paddle_mnist.training import evaluation
 from paddle_mnist.training.checkpoints import Checkpoints
 from paddle_mnist.training.outputs import BEST_WEIGHTS, RunFiles
 from paddle_mnist.training.state import TrainState
@@ -36,7 +36,7 @@ def test_epoch_ends_keep_the_newest_and_the_best_then_a_resume_skips_a_damaged_o
         state.end_epoch(4)
         if epoch == 2:
             best_digest = checkpoint.digest(state.model)
-        saver.save_epoch_end(state, engine.EvalStats(loss=1 - acc, acc=acc, count=10), epoch, started=0.0)
+        saver.save_epoch_end(state, evaluation.EvalStats(loss=1 - acc, acc=acc, count=10), epoch, started=0.0)
         with paddle.no_grad():
             state.model.parameters()[0].add_(paddle.ones_like(state.model.parameters()[0]))
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step_00000008.pdckpt", "step_00000012.pdckpt"]

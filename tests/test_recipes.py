@@ -28,7 +28,7 @@ from paddle_mnist.datasets import data
 from paddle_mnist.network import summary
 from paddle_mnist.network.models import MODELS, MnistCNN, build_model, count_parameters
 from paddle_mnist.runtime.distributed import DistEnv, convert_sync_bn
-from paddle_mnist.training import engine
+from paddle_mnist.training import engine, evaluation
 from paddle_mnist.training.state import make_schedule
 
 # Trainable parameters, counted by hand from each architecture:
@@ -203,7 +203,7 @@ def test_batch_norm_statistics_are_averaged_so_every_rank_holds_the_saved_model(
     model = build_model("mnist_cnn_bn")
     model.set_state_dict(saved)
     ds = data.load_dataset("mnist", str(mnist_dir))
-    local = engine.evaluate(model, ds.test, ds, config.Config(), DistEnv(0, 1, 0, 1, "none", "cpu"))
+    local = evaluation.evaluate(model, ds.test, ds, config.Config(), DistEnv(0, 1, 0, 1, "none", "cpu"))
     reported = read_results(tmp_path / "o")
     assert local.count == reported["test_count"] == 64
     assert local.acc == reported["test_acc"]

@@ -13,7 +13,7 @@ from helpers import explain, read_metrics, run_single, small_run
 
 from paddle_mnist.config import Config
 from paddle_mnist.runtime.distributed import DistEnv
-from paddle_mnist.training import engine, session
+from paddle_mnist.training import engine, evaluation, session
 from paddle_mnist.training.state import TrainState
 
 
@@ -27,7 +27,7 @@ def test_skipped_steps_reach_the_metrics_row_and_the_epoch_log_line(caplog):
     state.epoch, state.step = 0, 6
     fields = {"loss": 0.5, "acc": 0.8, "images": 96, "seconds": 2.0, "input_wait": 0.1, "own_seconds": 2.0}
     stats = engine.EpochStats(**fields, steps=6, phase_shares={}, samples=0, clipped=2, grad_norm=0.75, skipped=2)
-    val = engine.EvalStats(loss=0.4, acc=0.9, count=100)
+    val = evaluation.EvalStats(loss=0.4, acc=0.9, count=100)
     row = json.loads(json.dumps(session.epoch_row(cfg, one, state, stats, val)))  # as metrics.jsonl holds it
     assert (row["skipped_steps"], row["clipped_share"], row["grad_norm"]) == (2, 0.5, 0.75)
     log = logging.getLogger("test_session.epoch")

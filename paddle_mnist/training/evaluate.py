@@ -139,7 +139,7 @@ def evaluate_run(out: Path, data_dir: str | None, split: str, which: str, dest: 
     from paddle_mnist.deploy.weights import load_model
     from paddle_mnist.files import checkpoint
     from paddle_mnist.runtime.distributed import DistEnv
-    from paddle_mnist.training import engine
+    from paddle_mnist.training import evaluation
 
     one = DistEnv(0, 1, 0, 1, "none", "cpu")  # this command is one process: every image is in its one shard
     net = load_model(out, which)  # first: says in one line when out is not a run's output directory
@@ -151,9 +151,9 @@ def evaluate_run(out: Path, data_dir: str | None, split: str, which: str, dest: 
     if not len(images):
         raise data.DataError(f"--split {split}: {source.where} has no images in it; pass another --split")
     _activate_convolutions(cfg)
-    stats = engine.evaluate(net, images, ds, cfg, one, tta=True)  # as the trainer's final test score: --tta as run
+    stats = evaluation.evaluate(net, images, ds, cfg, one, tta=True)  # as the trainer's final test score: --tta as run
     pairs = scores.worst_pairs(stats.confusion)
-    examples = engine.confused_examples(stats, pairs, one)
+    examples = evaluation.confused_examples(stats, pairs, one)
     about = {"split": split, "dataset": ds.name, "data": source.where, "weights": checkpoint.WHICH[which]}
     if source.note and split == "test":
         about["note"] = source.note

@@ -40,7 +40,7 @@ from paddle_mnist.runtime import cpu, distributed, launch, waiting
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.runtime.lock import RunLock
 from paddle_mnist.runtime.preempt import Preempted, StopSignals, signal_name
-from paddle_mnist.training import agreement, chance, engine, finetune, scores
+from paddle_mnist.training import agreement, chance, engine, evaluation, finetune, scores
 from paddle_mnist.training.checkpoints import Checkpoints
 from paddle_mnist.training.outputs import BEST_WEIGHTS, MODEL_SUMMARY, RESULTS, WEIGHTS, RunFiles, output_dir_problem
 from paddle_mnist.training.session import Session
@@ -386,7 +386,7 @@ def train_and_evaluate(
             state.average_statistics(env)
             # --tta costs two to six passes: it scores every epoch only where --target-acc judges them
             alive = session.watchdog.alive
-            val = engine.evaluate(state.evaluated_model, val_split, ds, cfg, env, alive, tta=tta_each_epoch(cfg))
+            val = evaluation.evaluate(state.evaluated_model, val_split, ds, cfg, env, alive, tta=tta_each_epoch(cfg))
             if session.end_epoch(epoch.stats, val):
                 break
     return _finish(cfg, env, log, state=state, files=files, session=session, ds=ds, test=test, last_eval=val)
@@ -402,7 +402,7 @@ def _finish(
     session: Session,
     ds: data.Dataset,
     test: data.Split,
-    last_eval: engine.EvalStats | None,
+    last_eval: evaluation.EvalStats | None,
 ) -> dict:
     """The last weights, the test score (last_eval when the last evaluation was on the test split), results,
     export; then chance.LearnedNothing, on every rank alike, when the run stalled or its test accuracy is no better
@@ -410,7 +410,7 @@ def _finish(
     net = distributed.unwrap(state.evaluated_model)
     files.save_weights(net)
     reuse = last_eval is not None and ds.val_is_test and (tta_each_epoch(cfg) or not cfg.tta)
-    final = last_eval if reuse else engine.evaluate(net, test, ds, cfg, env, tta=True)
+    final = last_eval if reuse else evaluation.evaluate(net, test, ds, cfg, env, tta=True)
     verdict = session.verdict(final.acc, chance.AccuracyLevel.of(test.labels, len(ds.classes)))
     peak_mb = memory_mb()[1]  # rank 0's in results.json; each rank's in its log
     best = state.best
@@ -453,13 +453,13 @@ def _write_report(
     files: RunFiles,
     ds: data.Dataset,
     test: data.Split,
-    final: engine.EvalStats,
+    final: evaluation.EvalStats,
 ) -> None:
     """OUTPUT_DIR/report/: the test score by class, from the final evaluation's confusion matrix (every rank's
     share, all-reduced), with the first images of the most confused pairs (each rank sends its first few of those
     pairs). Every rank takes part; rank 0 writes."""
     pairs = scores.worst_pairs(final.confusion)
-    examples = engine.confused_examples(final, pairs, env)
+    examples = evaluation.confused_examples(final, pairs, env)
     where = cfg.data_dir or cfg.labels or str(REPO_DATA / cfg.dataset)
     about = {"split": "test", "dataset": cfg.dataset, "data": where}
     contents = scores.report(final.confusion, ds.classes, final.top_k, examples, {**about, "weights": WEIGHTS})
