@@ -17,7 +17,7 @@ from paddle_mnist.files import checkpoint
 from paddle_mnist.network.models import MnistCNN, build_model
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training.ema import WeightAverage, ema_decay
-from paddle_mnist.training.engine import evaluate
+from paddle_mnist.training.evaluation import evaluate
 from paddle_mnist.training.lookahead import Lookahead, lookahead_decay
 
 ONE = DistEnv(0, 1, 0, 1, "none", "cpu")

@@ -28,7 +28,7 @@ from paddle_mnist.config import Config
 from paddle_mnist.datasets import data
 from paddle_mnist.network.models import MnistCNN
 from paddle_mnist.runtime.distributed import DistEnv
-from paddle_mnist.training.engine import evaluate
+from paddle_mnist.training.evaluation import evaluate
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer in real processes
 
