@@ -141,10 +141,12 @@ def rank_pid(out: Path, rank: int) -> int:
 
 
 def wait_for(job: subprocess.Popen, log: Path, text: str) -> None:
-    """Until log holds text; fails if job ends first or two minutes pass."""
+    """Until log holds text; fails, showing the log's end, if job ends first or two minutes pass."""
     deadline = time.time() + 120
     while not (log.exists() and text in log.read_text(errors="replace")):
-        assert time.time() < deadline and job.poll() is None, f"never saw {text!r} in {log}"
+        if time.time() > deadline or job.poll() is not None:
+            end = log.read_text(errors="replace")[-2000:] if log.exists() else "(no such file)"
+            raise AssertionError(f"never saw {text!r} in {log}, which ends:\n{end}")
         time.sleep(0.05)
 
 

@@ -729,15 +729,19 @@ def _forked_children(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_decode_slower_than_gloos_timeout_keeps_three_workers_waiting(tmp_path, fashion):
-    """Rank 0's decoding processes are stopped (SIGSTOP) for longer than gloo's 30 s collective timeout as soon as
-    they exist: ranks 1 and 2 wait in the key-value store, say what they wait for, and the job trains once the
-    decoding goes on. Before the meeting, they waited in an all-reduce and gloo ended the job."""
+    """Rank 0's decoding processes are stopped (SIGSTOP) as soon as they exist: ranks 1 and 2 wait in the key-value
+    store, saying what they wait for while the decoding stands still, and the job trains once it goes on. Gloo's 30 s
+    collective timeout is fixed (Paddle cannot change it), so rather than outlast it the test holds the decoding
+    until each waiting rank has logged three more lines (one every 0.5 s here): a rank in a collective logs nothing.
+    Before the meeting, they waited in an all-reduce and gloo ended the job."""
     images = make_folder(tmp_path / "images", fashion, train=400, test=5)  # decoded in a second or two
     out = tmp_path / "out"
     args = [*SMALL, "--data-dir", str(images), "--output-dir", str(out), "--max-steps", "4", "--batch-size", "30"]
     log_dir = tmp_path / "log"
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "3", "--log_dir", str(log_dir)]
-    job = subprocess.Popen([*cmd, str(TRAIN_PY), *args], cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL)
+    env = dict(launch_env(), PADDLE_MNIST_MEETING_REPORT_S="0.5")
+    job = subprocess.Popen([*cmd, str(TRAIN_PY), *args], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL)
+    waiting = "waiting for the folder's cache: rank 0 at"
     with reaped(job):
         wait_for(job, log_dir / "workerlog.0", "decoding 1620 images")  # the pool starts next
         deadline, stopped = time.monotonic() + 120, []
@@ -749,7 +753,17 @@ def test_a_decode_slower_than_gloos_timeout_keeps_three_workers_waiting(tmp_path
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
-        time.sleep(40)
+        before = [worker_log(log_dir, r).count(waiting) for r in (1, 2)]
+        deadline = time.monotonic() + 20  # short of gloo's 30 s, so a rank in a collective fails here, not in gloo
+        lines = [0, 0]
+        while min(lines) < 3:
+            assert job.poll() is None, explain(subprocess.CompletedProcess(cmd, job.returncode, "", ""), log_dir)
+            assert time.monotonic() < deadline, (
+                f"ranks 1 and 2 logged {lines} lines of waiting in 20 s while rank 0's decoding was held, not 3 each "
+                "(one every 0.5 s): they wait somewhere else, in a collective that gloo aborts after 30 s"
+            )
+            time.sleep(0.1)
+            lines = [worker_log(log_dir, r).count(waiting) - n for r, n in zip((1, 2), before)]
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
@@ -757,8 +771,8 @@ def test_a_decode_slower_than_gloos_timeout_keeps_three_workers_waiting(tmp_path
         assert ended == 0, explain(subprocess.CompletedProcess(cmd, ended, "", ""), log_dir)
     logs = [worker_log(tmp_path / "log", r) for r in range(3)]
     assert "decoded 1620 images in" in logs[0]
-    for log in logs[1:]:  # a line every 15 s of waiting: the decoding was held up
-        assert "waiting for the folder's cache: rank 0 at" in log and "decoding" not in log, log
+    for log in logs[1:]:
+        assert waiting in log and "decoding" not in log, log
         assert "finished: test accuracy" in log
     assert not list(images.glob(f"{folder.CACHE_NAME}.*"))  # no temporary or old folder left behind
 

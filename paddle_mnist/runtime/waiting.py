@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 from paddle_mnist.runtime.distributed import DistEnv, job_store
 from paddle_mnist.runtime.preempt import Preempted, signal_name
+from paddle_mnist.runtime.watchdog import period_for_tests
 
 PREFIX = "paddle_mnist/meeting"
 BEAT_S = 1.0  # how often a working rank shows it is alive
 POLL_S = 0.25  # how often a waiting rank looks
-REPORT_S = 15.0  # how often a waiting rank logs what it waits for
+REPORT_S = period_for_tests("PADDLE_MNIST_MEETING_REPORT_S", 15.0)  # how often a waiting rank logs what it waits for
 QUIET_S = 60.0  # a rank whose heartbeat stood still this long has stopped, hung or been cut off
 STALL_S = 900.0  # a rank that is alive but reports no progress this long is stuck (a hung read, a full disk)
 

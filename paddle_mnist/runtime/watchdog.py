@@ -19,6 +19,7 @@ Paddle's optional task tracer log): there the watchdog is the only end, after 30
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -36,6 +37,25 @@ GLOO_DEFAULT_S = 15.0
 NCCL_DEFAULT_S = 300.0
 ASK_INTERVALS = 3  # how long the verdict may wait for the store before blaming rank 0, which hosts it
 GLOO_MARGIN_S = 4.0  # a rank at work is waited for until this long before gloo's abort
+
+
+def period_for_tests(name: str, default: float) -> float:
+    """default, or the seconds in the environment variable name: a period the tests shorten so that they wait for
+    what it times in a second or two, not for its product value (tests/README.md lists these variables). A run never
+    sets them; read once, when the module that holds the period is imported."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{name}={text!r}: a test's period must be a number of seconds above 0 (default {default:g})")
+    return seconds
+
+
+INTERVAL_S = period_for_tests("PADDLE_MNIST_WATCHDOG_INTERVAL_S", 1.0)  # how often a rank beats and its judge looks
 
 
 def patience_for(timeout: float, backend: str) -> float:
@@ -64,7 +84,9 @@ def timeout_problem(timeout: float, backend: str) -> str | None:
 
 
 class Watchdog:
-    def __init__(self, env: DistEnv, timeout: float | None, log: logging.Logger, interval: float = 1.0, store=None):
+    def __init__(
+        self, env: DistEnv, timeout: float | None, log: logging.Logger, interval: float = INTERVAL_S, store=None
+    ):
         """store: the ranks' counters (distributed.Counters); by default the job's, set up by init_parallel_env()."""
         self.env, self.log, self.interval = env, log, interval
         self.timeout = timeout_for(timeout, env.backend)
