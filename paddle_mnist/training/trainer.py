@@ -61,6 +61,8 @@ def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Log
     _check_shared(cfg, env, log)
 
 
+# how long the other ranks wait for rank 0's export (paddle.jit.save; ONNX): a minute or more on a busy machine
+EXPORT_PATIENCE_S = 900.0
 SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's marker: a network file system may show a new file late
 
 
@@ -438,7 +440,7 @@ def _finish(
     )
     files.finish()
     failed = _export(cfg, files, net, ds, best)  # last: if paddle.jit.save fails, weights and results are written
-    if distributed.all_reduce_max_values([failed is not None], env)[0]:
+    if distributed.word_from_main(env, "the export", int(failed is not None), EXPORT_PATIENCE_S):
         raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
     distributed.barrier(env)
     if verdict.message:
