@@ -1,15 +1,11 @@
-"""The distributed environment (distributed.py): Paddle's flags banner is kept out of the logs; the gradient buckets;
-rank 0's word after work it does alone."""
+"""The distributed environment (distributed.py): Paddle's flags banner is kept out of the logs; the gradient buckets."""
 
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 
 import paddle
 import pytest
-from helpers import explain, launch_env, worker_log
 
 from paddle_mnist.network import models
 from paddle_mnist.runtime import distributed
@@ -40,41 +36,3 @@ def test_gloo_reduces_every_gradient_in_one_bucket_and_nccl_in_several(name):
     gloo, nccl = groups("gloo"), groups("nccl")
     assert len(gloo) == 1 and sorted(gloo[0]) == list(range(len(trained))), gloo
     assert len(nccl) > 1, nccl
-
-
-# Two workers under the launcher: rank 0 works alone for argv[1] seconds, then gives its word (7); the other waits up
-# to argv[2] seconds for it. Both then meet in a barrier, as the trainer's ranks do after the export.
-WORD = r"""
-import sys, time
-from paddle_mnist.runtime import distributed
-env = distributed.setup()
-if env.is_main:
-    time.sleep(float(sys.argv[1]))
-try:
-    print("word", distributed.word_from_main(env, "the test's work", 7, float(sys.argv[2])), flush=True)
-except RuntimeError as e:
-    print(f"error: {e}", flush=True)
-    sys.exit(1)
-distributed.barrier(env)
-"""
-
-
-@pytest.mark.slow
-def test_rank_0s_word_outlasts_a_collectives_30_s_and_a_late_one_is_named(tmp_path):
-    """The export's wait: rank 0 alone for 33 s, longer than gloo's abort and the shared-memory sum's deadline (the
-    failure it replaced: the other rank gave up at 30 s while rank 0 exported on a busy machine); then a word that
-    does not come within the patience is an error naming rank 0."""
-    script = tmp_path / "word.py"
-    script.write_text(WORD)
-    for alone_s, patience_s, ok in ((33, 120, True), (8, 2, False)):
-        log_dir = tmp_path / f"log{alone_s}"
-        cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(log_dir)]
-        cmd += [str(script), str(alone_s), str(patience_s)]
-        job = subprocess.run(cmd, cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=180)
-        assert (job.returncode == 0) == ok, explain(job, log_dir)
-        if ok:
-            assert "word 7" in worker_log(log_dir, 1) and "word 7" in worker_log(log_dir, 0)
-        else:
-            assert "error: waited 2 s for rank 0 to finish the test's work alone; it did not finish" in worker_log(
-                log_dir, 1
-            ), explain(job, log_dir)

@@ -8,7 +8,6 @@ import os
 import pickle
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -358,47 +357,6 @@ def job_store() -> Counters:
     if _job_counters is None:
         _job_counters = Counters(paddle.base.core.create_or_get_global_tcp_store())
     return _job_counters
-
-
-WORD_PREFIX = "paddle_mnist/word"
-_words_said = [0]  # words_from_main calls in this process: every rank makes the same calls, so the keys agree
-
-
-def word_from_main(env: DistEnv, what: str, word: int, patience_s: float, poll_s: float = 0.2) -> int:
-    """Rank 0's word (an int of 0 or more) on every rank, once rank 0 finished `what` alone (the export): rank 0
-    passes its word; the others pass anything and wait for rank 0's in the job's key-value store, for up to
-    patience_s. Not a collective: gloo aborts one that waited 30 s, and a shared-memory sum gives up as soon, while
-    work rank 0 does alone may take longer on a busy machine. The wait polls from a thread, so a store that stops
-    answering (rank 0 stopped) cannot outlast it. Raises RuntimeError naming rank 0 when its word does not come."""
-    if env.world_size == 1:
-        return word
-    _words_said[0] += 1
-    key = f"{WORD_PREFIX}/{what}/{_words_said[0]}"
-    store = job_store()
-    if env.is_main:
-        store.add(key, word + 1)
-        return word
-    heard: list = []
-    ends = time.monotonic() + patience_s
-
-    def listen() -> None:
-        try:
-            while time.monotonic() < ends:
-                said = store.add(key, 0)
-                if said:
-                    heard.append(said - 1)
-                    return
-                time.sleep(poll_s)
-        except Exception as e:  # the store lives in rank 0's process
-            heard.append(e)
-
-    listener = threading.Thread(target=listen, name="word_from_main", daemon=True)
-    listener.start()
-    listener.join(patience_s + 1)
-    if heard and not isinstance(heard[0], Exception):
-        return heard[0]
-    why = f"the job's key-value store stopped answering ({heard[0]}): rank 0 exited" if heard else "it did not finish"
-    raise RuntimeError(f"waited {patience_s:.0f} s for rank 0 to finish {what} alone; {why}")
 
 
 def barrier(env: DistEnv) -> None:

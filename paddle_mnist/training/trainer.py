@@ -61,8 +61,6 @@ def _agree_output_dir(cfg: Config, env: DistEnv, lock: RunLock, log: logging.Log
     _check_shared(cfg, env, log)
 
 
-# how long the other ranks wait for rank 0's export (paddle.jit.save; ONNX): a minute or more on a busy machine
-EXPORT_PATIENCE_S = 900.0
 SHARED_WAIT_S = 10.0  # how long a rank looks for rank 0's marker: a network file system may show a new file late
 
 
@@ -439,10 +437,13 @@ def _finish(
         f"weights in {os.path.join(cfg.output_dir, WEIGHTS)}"
     )
     files.finish()
-    failed = _export(cfg, files, net, ds, best)  # last: if paddle.jit.save fails, weights and results are written
-    if distributed.word_from_main(env, "the export", int(failed is not None), EXPORT_PATIENCE_S):
-        raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
-    distributed.barrier(env)
+    # last: if paddle.jit.save fails, weights and results are written. The other ranks wait in the key-value store,
+    # not a collective that gives up at 30 s (a busy machine's export can take longer); the meeting is the last, and
+    # a signal from here on lets the run finish
+    with waiting.Meeting("export", "rank 0's export of the inference model", env, log, lambda: 0) as meeting:
+        failed = _export(cfg, files, net, ds, best)
+        if meeting.finish(failed is None):
+            raise failed or ExportFailed("rank 0 could not export the inference model; its message is in workerlog.0")
     if verdict.message:
         raise chance.LearnedNothing(verdict.message)
     return result
