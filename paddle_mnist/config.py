@@ -17,7 +17,8 @@ FOLDER = "folder"  # the user's own images (folder.py)
 IMAGE_SHAPES = {"fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "mnist-json": (1, 28, 28), "cifar10": (3, 32, 32)}
 CONFIG_FILE = "config.json"  # the run's Config, in its output directory
 AUGMENTED_BY_DEFAULT = ("cifar10", "mnist", "mnist-json")  # shifts lift MNIST past 99.3% (docs/results.md)
-LR_SCHEDULES = ("poly", "constant")
+LR_SCHEDULES = ("poly", "cosine", "constant")
+OPTIMIZERS = ("sgd", "adamw")
 LR_SCALING = ("none", "linear")
 AMP = ("off", "fp16", "bf16")
 EXPORTS = ("last", "best")  # which weights --export writes for inference
@@ -29,6 +30,8 @@ IMAGENET = "imagenet"  # --pretrained without a file: Paddle's ImageNet weights,
 # which beat 0.1 x the rate for the loaded layers and tied 5 frozen epochs (docs/training.md#fine-tuning)
 FINETUNE_LR_SCALE = 1.0
 FINETUNE_FREEZE_EPOCHS = 0
+# --opt adamw's rate and decoupled weight decay where the command gives none: a recipe's are SGD's (docs/training.md)
+ADAMW_DEFAULTS = {"lr": 0.002, "weight_decay": 0.05, "nesterov": False}
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Config:
     eval_batch_size: int = 1000
     lr: float | None = None
     lr_schedule: str = "poly"
+    optimizer: str = "sgd"  # "adamw": its lr and weight decay, where not given, are ADAMW_DEFAULTS
     warmup_epochs: float | None = None
     lr_scaling: str = "none"  # "linear": lr x global batch / reference_batch
     reference_batch: int = PER_WORKER_BATCH
@@ -127,6 +131,7 @@ class Config:
     tta: bool = False  # the final test score (each epoch's too with target_acc) averages image and mirror image
     tta_shift: bool = False  # with tta: also with the image and its mirror moved 1 px both ways (6 views)
     target_acc: float = 0.0  # end the run at the first evaluation at least this accurate (0: train every epoch)
+    patience: int = 0  # end the run after this many epochs without a better validation accuracy, on the best (0: off)
     init_from: str = ""  # another run's output directory, or a .pdparams file, whose fitting weights start this run
     pretrained: str = ""  # IMAGENET: Paddle's ImageNet weights of --model; or a .pdparams file of them ("": none)
     init_lr_scale: float = 1.0  # the loaded layers' learning rate, times --lr (FINETUNE_LR_SCALE with a start)
@@ -169,8 +174,9 @@ class Config:
         left = tuple(name for name in RECIPE_FLAGS if getattr(self, name) is None)
         if left and recipe is None:
             raise ConfigError(f"model {self.model!r} has no recipe: choose one of {', '.join(RECIPES)}")
+        adamw = ADAMW_DEFAULTS if self.optimizer == "adamw" else {}
         for name in left:
-            object.__setattr__(self, name, getattr(recipe, name))
+            object.__setattr__(self, name, adamw.get(name, getattr(recipe, name)))
         if self.from_recipe is None:
             object.__setattr__(self, "from_recipe", left)
 
@@ -286,9 +292,11 @@ def _batch(p: argparse.ArgumentParser, d: Config) -> None:
     p.add_argument("--lr", type=float, help="base learning rate (default: the model's recipe)")
     p.add_argument(
         "--lr-schedule",
+        "--sched",
         default=d.lr_schedule,
         choices=LR_SCHEDULES,
-        help="poly: linear decay to 0 over the planned steps (power 1); constant: no decay",
+        help="poly: linear decay to 0 over the planned steps (power 1); cosine: half a cosine from the peak to 0; "
+        "constant: no decay",
     )
     p.add_argument(
         "--warmup-epochs",
@@ -328,6 +336,15 @@ def _gpus(p: argparse.ArgumentParser, d: Config) -> None:
 
 
 def _optimiser(p: argparse.ArgumentParser, d: Config) -> None:
+    p.add_argument(
+        "--opt",
+        dest="optimizer",
+        default=d.optimizer,
+        choices=OPTIMIZERS,
+        help="sgd: momentum SGD, L2 weight decay on every parameter; adamw: Adam with decoupled weight decay, none on "
+        f"biases and batch norm (its --lr and --weight-decay default to {ADAMW_DEFAULTS['lr']:g} and "
+        f"{ADAMW_DEFAULTS['weight_decay']:g}, not the recipe's)",
+    )
     p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum")
     p.add_argument(
         "--nesterov",
@@ -390,6 +407,12 @@ def _evaluation(p: argparse.ArgumentParser, d: Config) -> None:
         default=d.target_acc,
         help="end the run, with checkpoint, weights and results, at the first evaluation whose accuracy reaches this "
         "(e.g. 0.91; 0: train all --epochs)",
+    )
+    _add_count(
+        p,
+        "--patience",
+        "end the run after this many epochs in a row without a higher validation accuracy, and finish on the best "
+        "epoch's weights: the test score, model.pdparams and the export are the best epoch's (0: train all --epochs)",
     )
 
 
@@ -690,6 +713,8 @@ def parse_args(argv: list[str] | None = None, file_values: dict | None = None) -
         )
     if not 0 <= cfg.target_acc <= 1:
         raise ConfigError(f"--target-acc is an accuracy between 0 and 1, e.g. 0.91; got {cfg.target_acc}")
+    if cfg.optimizer == "adamw" and (cfg.nesterov or cfg.momentum != Config.momentum):
+        raise ConfigError("--nesterov and --momentum set SGD's momentum: drop them with --opt adamw")
     _check_folder_flags(cfg)
     _check_start_flags(cfg)
     if cfg.tta_shift and not cfg.tta:

@@ -141,7 +141,8 @@ def rooms() -> dict[str, set[str]]:
 # the top of each. A module that grows past its ceiling, or a new one past 400 lines, fails until it is split or
 # its entry here is argued for in review.
 LONG_MODULES = {
-    "paddle_mnist.config": 800,  # 2026-11-28: + --config, Config.unset, --labels (#69), Config.__post_init__ (#68)
+    # 2026-11-28: + --config, Config.unset, --labels (#69), Config.__post_init__ (#68); 2026-11-29: --opt, --patience
+    "paddle_mnist.config": 830,
     "paddle_mnist.datasets.folder": 780,
     "paddle_mnist.files.logs": 640,
     "paddle_mnist.training.trainer": 520,

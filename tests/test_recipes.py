@@ -111,6 +111,61 @@ def test_warmup_then_linear_decay_to_zero():
     np.testing.assert_allclose(lrs[10:101], np.linspace(0.2, 0.0, 91), atol=1e-9)  # poly, power 1: peak -> 0
 
 
+def test_cosine_after_warmup_goes_from_the_peak_to_zero_and_a_restored_schedule_goes_on_alike():
+    cfg = config.parse_args(["--sched", "cosine", "--lr", "0.2"])
+    sched = make_schedule(cfg, total_steps=100, warmup_steps=10)
+    lrs = []
+    for step in range(101):
+        lrs.append(sched())
+        sched.step()
+        if step == 36:
+            saved = sched.state_dict()
+    np.testing.assert_allclose(lrs[:11], np.linspace(0, 0.2, 11), atol=1e-9)
+    expected = [0.1 * (1 + math.cos(math.pi * j / 90)) for j in range(91)]
+    np.testing.assert_allclose(lrs[10:101], expected, atol=1e-9)
+    assert lrs[55] == pytest.approx(0.1) and lrs[100] == pytest.approx(0.0, abs=1e-12)
+    restored = make_schedule(cfg, total_steps=100, warmup_steps=10)
+    restored.set_state_dict(saved)
+    again = []
+    for _ in range(37, 101):
+        again.append(restored())
+        restored.step()
+    assert again == lrs[37:101]  # the same floats: a resume's rates are the uninterrupted run's
+
+
+def test_adamw_takes_its_own_rate_and_decay_unless_given_and_refuses_sgds_momentum():
+    cfg = config.parse_args(["--opt", "adamw"])
+    assert (cfg.optimizer, cfg.lr, cfg.weight_decay) == ("adamw", 0.002, 0.05)
+    assert {"lr", "weight_decay"} <= set(cfg.from_recipe)
+    assert not config.parse_args(["--opt", "adamw", "--model", "cifar_fast"]).nesterov  # the recipe's is SGD's
+    given = config.parse_args(["--opt", "adamw", "--lr", "0.01", "--weight-decay", "0.1"])
+    assert (given.lr, given.weight_decay) == (0.01, 0.1)
+    assert config.parse_args([]).lr == config.RECIPES["mnist_cnn_bn_fc"].lr  # sgd keeps the recipe
+    for flags in (["--nesterov"], ["--momentum", "0.8"]):
+        with pytest.raises(config.ConfigError, match="drop them with --opt adamw"):
+            config.parse_args(["--opt", "adamw", *flags])
+
+
+def test_adamw_decays_the_weights_but_not_the_biases_and_batch_norm():
+    """One AdamW step on zero gradients: Adam's own move is 0, so what changes is the decoupled decay alone, a
+    factor (1 - lr x decay) on the weights of convolutions and dense layers; vectors stay as they were."""
+    from paddle_mnist.training.state import make_optimizer
+
+    paddle.seed(3)
+    model = build_model("mnist_cnn_bn_fc", 10, (1, 28, 28))
+    trained = {name: p for name, p in model.named_parameters() if not p.stop_gradient}  # not the running statistics
+    before = {name: p.numpy().copy() for name, p in trained.items()}
+    cfg = config.Config(optimizer="adamw", lr=0.1, weight_decay=0.5, lr_schedule="constant")
+    opt, _ = make_optimizer(cfg, model, total_steps=10)
+    (model(paddle.rand([2, 1, 28, 28])).sum() * 0).backward()
+    opt.step()
+    decayed = [name for name, p in trained.items() if p.ndim > 1]
+    assert len(decayed) == 4 and len(trained) == 10  # and 6 vectors: 2 norms' scales and shifts, 2 dense biases
+    for name, p in trained.items():
+        factor = 1 - 0.1 * 0.5 if name in decayed else 1.0
+        np.testing.assert_allclose(p.numpy(), before[name] * factor, rtol=1e-6, err_msg=name)
+
+
 def test_nesterov_is_the_look_ahead_step_of_the_cifar_fast_recipe():
     """Two steps of make_optimizer on w^2/2 (gradient w), lr 0.1, momentum 0.9: plain momentum moves w by the
     velocity, Nesterov by the gradient plus momentum times the new velocity."""
@@ -167,9 +222,11 @@ def mnist_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path):
-    """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights."""
-    args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2"]
+@pytest.mark.parametrize("optimizer", ["", "--opt adamw --sched cosine --warmup-epochs 1"])
+def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path, optimizer):
+    """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights,
+    with momentum SGD and with AdamW on a cosine schedule."""
+    args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2", *optimizer.split()]
     args += ["--model", "mnist_cnn"]  # no batch norm: a worker's statistics would differ from the whole batch's
     args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]
     one = run_single([*args, "--output-dir", str(tmp_path / "one")], cwd=tmp_path)

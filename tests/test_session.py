@@ -1,5 +1,5 @@
 """What happens around the steps (session.py): the epoch's metrics row and log line, clipped and skipped steps, the
-estimate of the run's time."""
+estimate of the run's time, --patience."""
 
 from __future__ import annotations
 
@@ -7,11 +7,23 @@ import json
 import logging
 import re
 
+import numpy as np
 import paddle
 import pytest
-from helpers import explain, read_metrics, run_single, small_run
+from helpers import (
+    explain,
+    param_digest,
+    read_metrics,
+    read_results,
+    run_launch,
+    run_single,
+    small_run,
+    weights,
+    worker_log,
+)
 
 from paddle_mnist.config import Config
+from paddle_mnist.files import checkpoint
 from paddle_mnist.runtime.distributed import DistEnv
 from paddle_mnist.training import engine, evaluation, session
 from paddle_mnist.training.state import TrainState
@@ -74,3 +86,35 @@ def test_max_steps_and_resume_are_told_in_the_estimate_and_the_epoch_line(datase
     assert "epoch 2/8 stopped at --max-steps 60 (batch 28 of 32): train loss" in second.stdout
     # the cut epoch's row (step 30) gave way to the resumed epoch's whole one
     assert [row["step"] for row in read_metrics(tmp_path / "out")] == [32, 60]
+
+
+@pytest.mark.slow
+def test_patience_ends_the_run_on_the_best_epochs_weights_on_every_rank(dataset, tmp_path):
+    """Two epochs in one process learn the synthetic classes whole (validation accuracy 1), so no later epoch can
+    be higher: resumed on 2 workers with --patience 2, the run ends two epochs after the best one, and the test
+    score, model.pdparams and every rank's weights are the best epoch's (rank 0 reads them and sends them), not the
+    last epoch's."""
+    out = tmp_path / "o"
+    args = [*small_run(batch_size=64, log_every=0), "--data-dir", str(dataset), "--output-dir", str(out)]
+    args += ["--lr-schedule", "constant"]
+    first = run_single([*args, "--epochs", "2"], cwd=tmp_path)
+    assert first.returncode == 0, explain(first)
+    rows = read_metrics(out)
+    best = max(rows, key=lambda row: row["val_acc"])  # the first of the highest, as the run keeps it
+    assert best["val_acc"] == 1.0, rows
+    best_weights = weights(out / "model_best.pdparams")
+    again = run_launch([*args, "--epochs", "8", "--patience", "2", "--resume", "yes"], tmp_path, tmp_path / "l")
+    assert again.returncode == 0, explain(again, tmp_path / "l")
+    rows = read_metrics(out)
+    assert [row["epoch"] for row in rows] == list(range(1, best["epoch"] + 3))  # stopped 2 epochs after the best
+    for rank in (0, 1):
+        text = worker_log(tmp_path / "l", rank)
+        said = f"--patience 2: no higher validation accuracy since epoch {best['epoch']} (1.0000)"
+        assert said in text, text[-3000:]
+        assert param_digest(text) == param_digest(worker_log(tmp_path / "l", 0))
+    final = weights(out / "model.pdparams")
+    for name, value in best_weights.items():
+        np.testing.assert_array_equal(final[name], value, err_msg=name)
+    last = checkpoint.load(checkpoint.list_checkpoints(out)[-1])["model"]  # the last epoch's weights moved on
+    assert any(not np.array_equal(np.asarray(last[name]), value) for name, value in best_weights.items())
+    assert read_results(out)["test_acc"] == 1.0  # the test split is the validation split here

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from paddle_mnist.config import Config, ConfigError, build_parser
+from paddle_mnist.config import ADAMW_DEFAULTS, Config, ConfigError, build_parser
 
 ARGS_FILE = "args.yaml"  # in the output directory: the run's options, read back by --config
 NOT_OPTIONS = ("help", "config")  # parser entries that are no option of a run
@@ -124,6 +124,8 @@ def args_yaml(flags: Config, command: str) -> str:
         value = getattr(flags, key)
         if key in flags.unset:
             source = f"{flags.model}'s recipe" if key in flags.from_recipe else "the default here"
+            if flags.optimizer == "adamw" and key in ADAMW_DEFAULTS:
+                source = "--opt adamw's default"
             lines.append(f"{key}: null" + ("" if value is None else f"  # {source}: {_scalar(value)}"))
         else:
             lines.append(f"{key}: {_scalar(value)}")

@@ -26,7 +26,8 @@ from paddle_mnist.training.outputs import BEST_WEIGHTS, RunFiles, WriteFailed
 from paddle_mnist.training.state import TrainState
 
 RESUME_FIX = "pass another --output-dir, or --overwrite to start afresh"
-RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels")  # a resume must keep these flags
+# a resume must keep these flags
+RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels", "optimizer")
 # a resume may change these; the learning-rate schedule is then planned anew from the checkpoint's step (replan)
 SCHEDULE_KEYS = ("epochs", "warmup_epochs", "lr", "lr_schedule", "lr_scaling", "reference_batch")
 
@@ -38,7 +39,7 @@ def check_resumable(saved: dict, cfg: Config, path: Path) -> None:
     keys = RESUME_KEYS + (("val_split",) if cfg.dataset == FOLDER else ())
     for key in keys:
         if key in saved and saved.get(key) != getattr(cfg, key):
-            flag = "--" + key.replace("_", "-")
+            flag = "--opt" if key == "optimizer" else "--" + key.replace("_", "-")
             raise ConfigError(
                 f"--resume: {path} was trained with {flag} {saved.get(key)}, not {getattr(cfg, key)}; "
                 f"pass {flag} {saved.get(key)} or another --output-dir"
@@ -163,8 +164,8 @@ class Checkpoints:
         flags = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)} (was {saved[k]})" for k in changed)
         if state.step >= end:
             then = f"the new plan ended at step {end}: nothing is left to train"
-        elif cfg.lr_schedule == "poly":
-            then = f"it decays linearly to 0 at step {end}"
+        elif cfg.lr_schedule in ("poly", "cosine"):
+            then = f"it decays {'linearly' if cfg.lr_schedule == 'poly' else 'along a half cosine'} to 0 at step {end}"
         else:
             then = "it stays there"
         return (
@@ -197,6 +198,16 @@ class Checkpoints:
             f"accuracy {best['val_acc']:.4f}); the best model is chosen again from the epochs still to come"
         )
         state.best = None
+
+    def restore_best(self, state: TrainState) -> None:
+        """The best epoch's weights into the evaluated model on every rank: rank 0 reads model_best.pdparams and
+        sends it (the other ranks may not see the file)."""
+        path = self.out / BEST_WEIGHTS
+        weights = checkpoint.load(path) if self.files.enabled else None
+        if weights is not None:
+            weights = {name: np.asarray(value) for name, value in weights.items()}
+        weights = distributed.gather_objects(weights, self.env)[0]
+        checkpoint.set_weights(distributed.unwrap(state.evaluated_model), weights, path)
 
     # saving
 

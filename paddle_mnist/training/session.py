@@ -135,6 +135,7 @@ class Session:
         # the schedule's own count (paddle's LinearWarmup keeps it), so this follows however the warmup is planned
         self.warmup_steps = getattr(state.sched, "warmup_steps", 0)
         self.stalled: str | None = None
+        self.ended_on_best = self.patience_spent()  # a resumed run that --patience had ended trains no more
         self.last_loss: float | None = None  # the last epoch's mean training loss, this session's
         planned = cfg.epochs * self.batches_per_epoch
         self.last_step = min(planned, cfg.max_steps) if cfg.max_steps else planned
@@ -163,7 +164,16 @@ class Session:
             self.profile.finish()  # training ended inside the window: write what was recorded
 
     def training(self) -> bool:
-        return self.state.epoch < self.cfg.epochs and self.state.step < self.last_step
+        return self.state.epoch < self.cfg.epochs and self.state.step < self.last_step and not self.ended_on_best
+
+    def patience_spent(self) -> bool:
+        """--patience: the best validation accuracy so far is that many epochs old. Rank 0's count decides for all
+        (on resume it alone checks model_best.pdparams, and may start the count again)."""
+        if not self.cfg.patience:
+            return False
+        best = self.state.best
+        spent = bool(best) and self.state.epoch - best["epoch"] >= self.cfg.patience
+        return bool(distributed.all_reduce_max_values([spent and self.env.is_main], self.env)[0])
 
     def batch_count(self) -> int:
         """Batches the next epoch trains: the rest of the epoch, or fewer if --max-steps comes first."""
@@ -277,6 +287,14 @@ class Session:
             self.log.info(f"reached --target-acc {cfg.target_acc:g}: accuracy {val.acc:.4f} after epoch {row['epoch']}")
             return True
         if self.hooks and self._hooks_end_run(row):
+            return True
+        if self.patience_spent():
+            best = state.best
+            self.log.info(
+                f"--patience {cfg.patience}: no higher validation accuracy since epoch {best['epoch']} "
+                f"({best['val_acc']:.4f}); the run ends on that epoch's weights"
+            )
+            self.ended_on_best = True
             return True
         # the loss is summed over all workers and the steps are the same everywhere: every rank stops here alike
         if chance.stall_judged(state.step - stats.steps, self.warmup_steps) and self.levels.stalled(stats.loss):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 import paddle
 
@@ -16,21 +19,47 @@ from paddle_mnist.training.lookahead import Lookahead
 
 
 def make_schedule(cfg: Config, total_steps: int, warmup_steps: int) -> paddle.optimizer.lr.LRScheduler:
-    """Linear warmup from 0 (if any), then poly (power 1: linear to 0 at the last planned step) or constant."""
+    """Linear warmup from 0 (if any), then poly (power 1: linear to 0 at the last planned step), cosine (half a
+    cosine from the peak to 0 at the last planned step, computed afresh each step: nothing carried that a resume could
+    lose) or constant."""
     peak = effective_lr(cfg)
     decay_steps = max(total_steps - warmup_steps, 1)
-    end = 0.0 if cfg.lr_schedule == "poly" else peak  # constant: a decay from peak to peak
-    sched = paddle.optimizer.lr.PolynomialDecay(peak, decay_steps=decay_steps, end_lr=end, power=1.0)
+    if cfg.lr_schedule == "cosine":
+        sched = paddle.optimizer.lr.LambdaDecay(peak, functools.partial(_half_cosine, decay_steps))
+    else:
+        end = 0.0 if cfg.lr_schedule == "poly" else peak  # constant: a decay from peak to peak
+        sched = paddle.optimizer.lr.PolynomialDecay(peak, decay_steps=decay_steps, end_lr=end, power=1.0)
     if warmup_steps:
         sched = paddle.optimizer.lr.LinearWarmup(sched, warmup_steps=warmup_steps, start_lr=0.0, end_lr=peak)
     return sched
 
 
+def _half_cosine(decay_steps: int, step: int) -> float:
+    """The share of the peak rate `step` steps into the decay: 1 at 0, 0 at decay_steps and after."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(step, decay_steps) / decay_steps))
+
+
+def decays(param: paddle.Tensor) -> bool:
+    """Whether AdamW's weight decay falls on this parameter: weights of convolutions and linear layers, not the
+    biases and batch norm's scales and shifts (vectors), as timm and PaddleClas leave them."""
+    return len(param.shape) > 1
+
+
 def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup_steps: int = 0):
     sched = make_schedule(cfg, total_steps, warmup_steps)
-    decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
     # Paddle clips before it adds the weight decay, as torch.nn.utils.clip_grad_norm_ does before the step
     clip = paddle.nn.ClipGradByGlobalNorm(cfg.clip_grad_norm) if cfg.clip_grad_norm else None
+    if cfg.optimizer == "adamw":
+        vectors = {p.name for p in model.parameters() if not decays(p)}
+        opt = paddle.optimizer.AdamW(
+            learning_rate=sched,
+            parameters=model.parameters(),
+            weight_decay=cfg.weight_decay,
+            apply_decay_param_fun=lambda name: name not in vectors,
+            grad_clip=clip,
+        )
+        return opt, sched
+    decay = paddle.regularizer.L2Decay(cfg.weight_decay) if cfg.weight_decay else None
     opt = paddle.optimizer.Momentum(
         learning_rate=sched,
         momentum=cfg.momentum,

@@ -109,10 +109,14 @@ def _log_start(
     )
     warmup = f", warmup {cfg.warmup_epochs:g} epochs" if cfg.warmup_epochs else ""
     nesterov = " (Nesterov)" if cfg.nesterov else ""
+    optimizer = (
+        f"AdamW, weight decay {cfg.weight_decay} (none on biases and batch norm)"
+        if cfg.optimizer == "adamw"
+        else f"momentum {cfg.momentum}{nesterov}, weight decay {cfg.weight_decay}"
+    )
     log.info(
         f"batch: {per_worker} per worker{micro}, {cfg.batch_size} global; "
-        f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), momentum {cfg.momentum}{nesterov}, "
-        f"weight decay {cfg.weight_decay}, "
+        f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), {optimizer}, "
         f"epochs {cfg.epochs}{_stretched_text(cfg, len(train), steps_per_epoch)}"
         + (f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "")
         + (f", amp {cfg.amp}" if cfg.amp != "off" else "")
@@ -389,6 +393,9 @@ def train_and_evaluate(
             val = evaluation.evaluate(state.evaluated_model, val_split, ds, cfg, env, alive, tta=tta_each_epoch(cfg))
             if session.end_epoch(epoch.stats, val):
                 break
+    if session.ended_on_best:  # --patience: the test score, model.pdparams and the export are the best epoch's
+        checkpoints.restore_best(state)
+        val = None
     return _finish(cfg, env, log, state=state, files=files, session=session, ds=ds, test=test, last_eval=val)
 
 
