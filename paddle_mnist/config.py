@@ -27,7 +27,7 @@ MIN_STEPS = 500  # a recipe's run trains at least this many optimizer steps (doc
 PRETRAINED_MODELS = ("resnet18", "mobilenet_v3_small")  # the models with Paddle's ImageNet weights (backbones.py)
 IMAGENET = "imagenet"  # --pretrained without a file: Paddle's ImageNet weights, from its cache or downloaded
 # the fine-tuning recipe when --init-from or --pretrained is given: every layer at the full rate from the start,
-# which beat 0.1 x the rate for the loaded layers and tied 5 frozen epochs (docs/training.md#fine-tuning)
+# which beat 0.1 x the rate for the loaded layers and tied 5 frozen epochs (docs/finetuning.md)
 FINETUNE_LR_SCALE = 1.0
 FINETUNE_FREEZE_EPOCHS = 0
 # --opt adamw's rate and decoupled weight decay where the command gives none: a recipe's are SGD's (docs/training.md)
@@ -490,7 +490,7 @@ def _runtime(p: argparse.ArgumentParser, d: Config) -> None:
 
 
 def _start(p: argparse.ArgumentParser, d: Config) -> None:
-    start = p.add_argument_group("starting from trained weights (docs/training.md#fine-tuning)")
+    start = p.add_argument_group("starting from trained weights (docs/finetuning.md)")
     start.add_argument(
         "--init-from",
         default=d.init_from,

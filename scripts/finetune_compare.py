@@ -1,4 +1,4 @@
-"""Fine-tuning against training from scratch on a small folder (docs/training.md, "Fine-tuning").
+"""Fine-tuning against training from scratch on a small folder (docs/finetuning.md).
 
     python -m scripts.finetune_compare prepare ../shared/data/cifar10-jpeg/cifar10-jpeg.tar.gz /tmp/finetune
     python -m scripts.finetune_compare run /tmp/finetune --seeds 1 2 3

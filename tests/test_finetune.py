@@ -59,7 +59,7 @@ def test_what_fits_is_loaded_and_the_classifier_of_other_classes_starts_anew(tmp
     assert finetune.layers_of(done.new) == ["fc"] and "other classes, 0, 1" in done.classifier_note
     line = finetune.describe(done, config.parse_args(["--init-from", str(path)]))
     assert "loaded 12 of 14 tensors" in line and "new: fc" in line and "every layer trains at the learning rate" in line
-    assert "(the fine-tuning default, docs/training.md#fine-tuning: --init-lr-scale 1 --freeze-epochs 0)" in line
+    assert "(the fine-tuning default, docs/finetuning.md: --init-lr-scale 1 --freeze-epochs 0)" in line
 
 
 def test_nothing_that_fits_and_a_damaged_file_are_refused_in_one_line(tmp_path):

@@ -236,7 +236,7 @@ def rates_text(cfg: Config) -> str:
     else:
         how = "every layer trains at"
     default = (cfg.init_lr_scale, cfg.freeze_epochs) == (FINETUNE_LR_SCALE, FINETUNE_FREEZE_EPOCHS)
-    which = "the fine-tuning default, docs/training.md#fine-tuning" if default else "as given"
+    which = "the fine-tuning default, docs/finetuning.md" if default else "as given"
     return (
         f"{how} the learning rate ({which}: --init-lr-scale {cfg.init_lr_scale:g} --freeze-epochs {cfg.freeze_epochs})"
     )
