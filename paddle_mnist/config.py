@@ -19,6 +19,7 @@ CONFIG_FILE = "config.json"  # the run's Config, in its output directory
 AUGMENTED_BY_DEFAULT = ("cifar10", "mnist", "mnist-json")  # shifts lift MNIST past 99.3% (docs/results.md)
 LR_SCHEDULES = ("poly", "cosine", "constant")
 OPTIMIZERS = ("sgd", "adamw")
+CLASS_WEIGHTS = ("none", "balanced")
 LR_SCALING = ("none", "linear")
 AMP = ("off", "fp16", "bf16")
 EXPORTS = ("last", "best")  # which weights --export writes for inference
@@ -122,6 +123,7 @@ class Config:
     amp: str = "off"
     momentum: float = 0.9
     label_smoothing: float | None = None
+    class_weights: str = "none"  # "balanced": each image's loss weighs n / (classes x its class's training images)
     whiten: bool | None = None  # the first convolution starts as a whitening of the training images' patches
     nesterov: bool | None = None  # Nesterov momentum
     weight_decay: float | None = None
@@ -365,6 +367,12 @@ def _optimiser(p: argparse.ArgumentParser, d: Config) -> None:
         type=float,
         help="share of each training target spread evenly over all classes, 0 for plain cross-entropy (default: "
         "the model's recipe, 0 but for cifar_fast)",
+    )
+    p.add_argument(
+        "--class-weights",
+        default=d.class_weights,
+        choices=CLASS_WEIGHTS,
+        help="balanced: an image's loss weighs N / (C x N_c): N training images, C classes, N_c in its class",
     )
     p.add_argument(
         "--whiten",

@@ -166,6 +166,37 @@ def test_adamw_decays_the_weights_but_not_the_biases_and_batch_norm():
         np.testing.assert_allclose(p.numpy(), before[name] * factor, rtol=1e-6, err_msg=name)
 
 
+def test_balanced_class_weights_give_every_class_the_same_weight_in_all():
+    from paddle_mnist.training.state import balanced_weights
+
+    labels = np.array([0, 0, 0, 1, 2, 2])
+    weights = balanced_weights(labels, 4)  # 6 images, 4 classes; class 3 has none
+    np.testing.assert_allclose(weights, [6 / 12, 6 / 4, 6 / 8, 0.0], rtol=1e-7)
+    per_class = np.bincount(labels, weights=weights[labels], minlength=4)
+    np.testing.assert_allclose(per_class[:3], [1.5, 1.5, 1.5], rtol=1e-6)  # N / C each, N in all
+    assert weights.dtype == np.float32
+
+
+def test_a_step_with_balanced_class_weights_sums_each_images_loss_times_its_classs_weight():
+    """train_step's loss on the first step (before the update) against cross-entropy computed here, on a batch of
+    16 in which class 0 has 10 images, class 1 has 4 and class 2 has 2."""
+    from paddle_mnist.datasets.transfer import Feed
+    from paddle_mnist.training.state import TrainState
+
+    rng = np.random.RandomState(0)
+    images = rng.randn(16, 1, 28, 28).astype("float32")
+    labels = np.array([0] * 10 + [1] * 4 + [2] * 2, dtype="int64")
+    cfg = config.Config(model="mnist_cnn", class_weights="balanced", batch_size=16, epochs=1)
+    state = TrainState.create(cfg, 3, (1, 28, 28), engine.ONE_PROCESS, 1, train_labels=labels)
+    probe = build_model("mnist_cnn", 3, (1, 28, 28))
+    probe.set_state_dict(state.model.state_dict())
+    losses = F.cross_entropy(probe(paddle.to_tensor(images)), paddle.to_tensor(labels), reduction="none").numpy()
+    expected = float((losses.ravel() * np.array([16 / 30, 16 / 12, 16 / 6])[labels]).sum())
+    got = engine.train_step(state, images, labels, cfg, Feed("cpu"), engine.ONE_PROCESS).loss_sum
+    assert float(got) == pytest.approx(expected, rel=1e-5)
+    assert float(got) != pytest.approx(float(losses.sum()), rel=1e-2)  # the weights changed the sum
+
+
 def test_nesterov_is_the_look_ahead_step_of_the_cifar_fast_recipe():
     """Two steps of make_optimizer on w^2/2 (gradient w), lr 0.1, momentum 0.9: plain momentum moves w by the
     velocity, Nesterov by the gradient plus momentum times the new velocity."""
@@ -222,10 +253,10 @@ def mnist_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["", "--opt adamw --sched cosine --warmup-epochs 1"])
+@pytest.mark.parametrize("optimizer", ["", "--opt adamw --sched cosine --warmup-epochs 1 --class-weights balanced"])
 def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path, optimizer):
     """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights,
-    with momentum SGD and with AdamW on a cosine schedule."""
+    with momentum SGD and with AdamW on a cosine schedule, its loss weighted by class."""
     args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2", *optimizer.split()]
     args += ["--model", "mnist_cnn"]  # no batch norm: a worker's statistics would differ from the whole batch's
     args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]

@@ -248,6 +248,8 @@ def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, tim
                 with amp_context(cfg):
                     logits = model(x)
                 losses = F.cross_entropy(in_float32(logits), y, reduction="none", label_smoothing=cfg.label_smoothing)
+                if state.class_weights is not None:  # --class-weights: each image's loss times its class's weight
+                    losses = losses * paddle.gather(state.class_weights, y.flatten())
                 loss_sum = losses.sum()
             with timer.phase("backward"):
                 (state.scaler.scale(loss_sum * weight) if state.scaler else loss_sum * weight).backward()

@@ -71,6 +71,14 @@ def make_optimizer(cfg: Config, model: paddle.nn.Layer, total_steps: int, warmup
     return opt, sched
 
 
+def balanced_weights(labels, num_classes: int) -> np.ndarray:
+    """--class-weights balanced: n / (classes x the class's images) for each class of the n training labels (0 for
+    a class without any), so that every class's images weigh as much in all as any other's."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64), minlength=num_classes).astype(np.float64)
+    weights = np.divide(len(labels), num_classes * counts, out=np.zeros(num_classes), where=counts > 0)
+    return weights.astype(np.float32)
+
+
 def make_scaler(cfg: Config) -> paddle.amp.GradScaler | None:
     """float16 gradients underflow without loss scaling; bfloat16 has float32's range and needs none."""
     return paddle.amp.GradScaler(init_loss_scaling=2.0**15) if cfg.amp == "fp16" else None
@@ -106,6 +114,7 @@ class TrainState:
         # every rank's batch norm statistics, from a stop's checkpoint
         self.running_statistics: dict[str, list] = {"model": [], "ema": []}
         self.lookahead = Lookahead(model) if cfg.lookahead else None
+        self.class_weights: paddle.Tensor | None = None  # each class's weight in the training loss (float32)
         # a step's gradient summed in float64 (network/exact.py): where oneDNN's convolutions run in float32 and
         # every trained layer can hand its gradient over in float64
         self.exact = onednn.active() and cfg.amp == "off" and sums_exactly(model)
@@ -120,13 +129,14 @@ class TrainState:
         steps_per_epoch: int,
         whitening=None,
         load_weights=None,
+        train_labels=None,
     ):
         """The same seed on every rank: the same initial weights everywhere. The schedule is planned over --epochs;
         --max-steps only stops early, so a stopped run can be resumed exactly. whitening: with --whiten, a function
         that whitens the model's first convolution (whiten.whiten with the training images bound). load_weights: with
         --init-from or --pretrained, a function that loads what fits into the model and returns the names it
         loaded (finetune.weights_loader), after the whitening, so loaded weights win, and before the moving average and
-        the slow copy are taken of the model."""
+        the slow copy are taken of the model. train_labels: with --class-weights balanced, the training split's."""
         paddle.seed(cfg.seed)
         np.random.seed(cfg.seed)
         model = build_model(cfg.model, num_classes, image_shape)
@@ -140,7 +150,10 @@ class TrainState:
         planned = cfg.epochs * steps_per_epoch
         opt, sched = make_optimizer(cfg, model, planned, round(cfg.warmup_epochs * steps_per_epoch))
         ema = WeightAverage(model, build_model(cfg.model, num_classes, image_shape), cfg.ema) if cfg.ema else None
-        return cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned, loaded)
+        state = cls(cfg, model, opt, sched, make_scaler(cfg), ema, planned, loaded)
+        if cfg.class_weights == "balanced":
+            state.class_weights = paddle.to_tensor(balanced_weights(train_labels, num_classes))
+        return state
 
     @property
     def evaluated_model(self) -> paddle.nn.Layer:

@@ -119,6 +119,7 @@ def _log_start(
         f"lr {lr:g}{scaled} ({cfg.lr_schedule}{warmup}), {optimizer}, "
         f"epochs {cfg.epochs}{_stretched_text(cfg, len(train), steps_per_epoch)}"
         + (f", label smoothing {cfg.label_smoothing:g}" if cfg.label_smoothing else "")
+        + (", class weights balanced" if cfg.class_weights == "balanced" else "")
         + (f", amp {cfg.amp}" if cfg.amp != "off" else "")
     )
     c, h, w = ds.image_shape
@@ -348,7 +349,9 @@ def train_and_evaluate(
     checkpoints = Checkpoints(cfg, env, log, files)
     resumed = checkpoints.choose()  # first: a resume does not read --init-from's weights
     load_weights = _weights_loader(cfg, env, log, stop, resumed)
-    state = TrainState.create(cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, load_weights)
+    state = TrainState.create(
+        cfg, len(ds.classes), ds.image_shape, env, len(batches), whitened, load_weights, train.labels
+    )
     table = _log_model(cfg, env, log, ds, state.model)
     for line in _exactness(cfg, env, state):
         log.info(line)
