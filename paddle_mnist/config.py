@@ -32,7 +32,7 @@ IMAGENET = "imagenet"  # --pretrained without a file: Paddle's ImageNet weights,
 FINETUNE_LR_SCALE = 1.0
 FINETUNE_FREEZE_EPOCHS = 0
 # --opt adamw's rate and decoupled weight decay where the command gives none: a recipe's are SGD's (docs/training.md)
-ADAMW_DEFAULTS = {"lr": 0.002, "weight_decay": 0.05, "nesterov": False}
+ADAMW_DEFAULTS = {"lr": 0.004, "weight_decay": 0.05, "nesterov": False}
 
 
 @dataclass(frozen=True)

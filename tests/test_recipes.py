@@ -135,7 +135,7 @@ def test_cosine_after_warmup_goes_from_the_peak_to_zero_and_a_restored_schedule_
 
 def test_adamw_takes_its_own_rate_and_decay_unless_given_and_refuses_sgds_momentum():
     cfg = config.parse_args(["--opt", "adamw"])
-    assert (cfg.optimizer, cfg.lr, cfg.weight_decay) == ("adamw", 0.002, 0.05)
+    assert (cfg.optimizer, cfg.lr, cfg.weight_decay) == ("adamw", 0.004, 0.05)
     assert {"lr", "weight_decay"} <= set(cfg.from_recipe)
     assert not config.parse_args(["--opt", "adamw", "--model", "cifar_fast"]).nesterov  # the recipe's is SGD's
     given = config.parse_args(["--opt", "adamw", "--lr", "0.01", "--weight-decay", "0.1"])
