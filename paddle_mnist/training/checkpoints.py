@@ -30,6 +30,7 @@ RESUME_FIX = "pass another --output-dir, or --overwrite to start afresh"
 RESUME_KEYS = ("model", "dataset", "batch_size", "image_size", "channels", "optimizer")
 # a resume may change these; the learning-rate schedule is then planned anew from the checkpoint's step (replan)
 SCHEDULE_KEYS = ("epochs", "warmup_epochs", "lr", "lr_schedule", "lr_scaling", "reference_batch")
+DECAYS = {"poly": "linearly", "cosine": "along a half cosine"}  # how a schedule's rate falls to 0, for the replan line
 
 
 def check_resumable(saved: dict, cfg: Config, path: Path) -> None:
@@ -164,8 +165,8 @@ class Checkpoints:
         flags = ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)} (was {saved[k]})" for k in changed)
         if state.step >= end:
             then = f"the new plan ended at step {end}: nothing is left to train"
-        elif cfg.lr_schedule in ("poly", "cosine"):
-            then = f"it decays {'linearly' if cfg.lr_schedule == 'poly' else 'along a half cosine'} to 0 at step {end}"
+        elif cfg.lr_schedule in DECAYS:
+            then = f"it decays {DECAYS[cfg.lr_schedule]} to 0 at step {end}"
         else:
             then = "it stays there"
         return (
