@@ -17,6 +17,8 @@ FOLDER = "folder"  # the user's own images (folder.py)
 IMAGE_SHAPES = {"fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "mnist-json": (1, 28, 28), "cifar10": (3, 32, 32)}
 CONFIG_FILE = "config.json"  # the run's Config, in its output directory
 AUGMENTED_BY_DEFAULT = ("cifar10", "mnist", "mnist-json")  # shifts lift MNIST past 99.3% (docs/results.md)
+# --augment photo: the photo operations in place of shifts (docs/datasets.md, "Augmentation for photos")
+AUGMENT_PRESETS = {"photo": {"crop_scale": 0.35, "jitter": 0.4, "erase": 0.25, "shift": 0}}
 LR_SCHEDULES = ("poly", "cosine", "constant")
 OPTIMIZERS = ("sgd", "adamw")
 CLASS_WEIGHTS = ("none", "balanced")
@@ -107,6 +109,9 @@ class Config:
     model: str = "mnist_cnn_bn_fc"
     augment: bool = False  # parse_args fills in the dataset's default when neither flag is given
     shift: int | None = None  # largest random shift in pixels when augmenting; None: the dataset's policy
+    crop_scale: float | None = None  # random resized crops of [crop_scale, 1] of the area when augmenting; None: none
+    jitter: float = 0.0  # colour jitter when augmenting: brightness, contrast, saturation times [1 - j, 1 + j]
+    erase: float = 0.0  # random erasing when augmenting: each image's chance of a painted-over rectangle
     # RECIPE_FLAGS left None take the model's recipe (RECIPES, __post_init__)
     epochs: int | None = None
     max_steps: int = 0
@@ -244,9 +249,13 @@ def _data(p: argparse.ArgumentParser, d: Config) -> None:
     )
     p.add_argument(
         "--augment",
-        action=argparse.BooleanOptionalAction,
+        "--no-augment",
+        action=_AugmentAction,
+        nargs="?",
+        metavar="PRESET",
         default=None,
-        help="random shifts (and flips where the classes allow) on each training batch "
+        help="random shifts (and flips where the classes allow) on each training batch; --augment photo: random "
+        "resized crops, colour jitter and random erasing (and flips on a folder) in their place "
         f"(default: on for {', '.join(AUGMENTED_BY_DEFAULT)}, off otherwise)",
     )
     p.add_argument(
@@ -257,6 +266,65 @@ def _data(p: argparse.ArgumentParser, d: Config) -> None:
         "(default: 4 for cifar10, 2 for the 28x28 datasets; a folder: 1/14 of the image's shorter side, rounded down, "
         "at least 1)",
     )
+    photo = AUGMENT_PRESETS["photo"]
+    p.add_argument(
+        "--crop-scale",
+        type=float,
+        help="with --augment: random resized crops, each of a share of the image's area from this to 1 and an aspect "
+        f"ratio from 3/4 to 4/3, resized back (default: {photo['crop_scale']} with --augment photo, else none)",
+    )
+    p.add_argument(
+        "--jitter",
+        type=float,
+        help="with --augment: colour jitter, each image's brightness, contrast and saturation times a factor from "
+        f"1 - J to 1 + J (default: {photo['jitter']} with --augment photo, else 0)",
+    )
+    p.add_argument(
+        "--erase",
+        type=float,
+        help="with --augment: random erasing, each image's chance of a rectangle of 2%% to 25%% of its area painted "
+        f"one random colour (default: {photo['erase']} with --augment photo, else 0)",
+    )
+
+
+class _AugmentAction(argparse.Action):
+    """--augment [PRESET] and --no-augment: the dataset's policy, a preset by name (AUGMENT_PRESETS), or off."""
+
+    presets = ("photo",)
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        if option_string == "--no-augment" and value is not None:
+            parser.error(f"argument --no-augment takes no value, got {value!r}")
+        if value is not None and value not in self.presets:
+            parser.error(f"argument --augment: its presets are {', '.join(self.presets)}; got {value!r}")
+        setattr(namespace, self.dest, option_string != "--no-augment" and (value or True))
+
+
+def _fill_augment(ns: argparse.Namespace) -> None:
+    """--augment PRESET turns augmentation on with the preset's operations, each where its flag is not given (on
+    a folder it flips too: photos are mirror-symmetric); the photo operations not given are off."""
+    preset = AUGMENT_PRESETS.get(ns.augment) if isinstance(ns.augment, str) else None
+    if preset is not None:
+        filled = {key: value for key, value in preset.items() if getattr(ns, key) is None}
+        ns.__dict__.update(filled, augment=True, flip=ns.flip or ns.dataset == FOLDER)
+        ns.unset = tuple(key for key in ns.unset if key not in filled)  # args.yaml records the preset's values
+    ns.jitter = ns.jitter or 0.0
+    ns.erase = ns.erase or 0.0
+    given = [flag for flag, key in (("--crop-scale", "crop_scale"), ("--jitter", "jitter"), ("--erase", "erase"))]
+    given = [flag for flag in given if getattr(ns, flag[2:].replace("-", "_"))]
+    if given and not ns.augment:
+        raise ConfigError(
+            f"{', '.join(given)} {'are operations' if len(given) > 1 else 'is an operation'} of --augment: add "
+            "--augment (or --augment photo), or drop it"
+        )
+    if ns.crop_scale is not None and not 0 < ns.crop_scale <= 1:
+        raise ConfigError(
+            f"--crop-scale is the smallest share of the area a crop keeps: above 0 and at most 1, got {ns.crop_scale}"
+        )
+    if not 0 <= ns.jitter < 1 or not 0 <= ns.erase <= 1:
+        raise ConfigError(
+            f"--jitter is below 1 and --erase a chance from 0 to 1, both at least 0; got {ns.jitter} and {ns.erase}"
+        )
 
 
 def _length(p: argparse.ArgumentParser, d: Config) -> None:
@@ -707,6 +775,7 @@ def parse_args(argv: list[str] | None = None, file_values: dict | None = None) -
     ns.unset = tuple(f.name for f in dataclasses.fields(Config) if getattr(ns, f.name, 0) is None)
     if ns.augment is None:
         ns.augment = ns.dataset in AUGMENTED_BY_DEFAULT
+    _fill_augment(ns)
     _fill_start_flags(ns)
     cfg = Config(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if f.name != "from_recipe"})
     if cfg.resume != "no" and cfg.overwrite:

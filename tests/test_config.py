@@ -125,6 +125,31 @@ def test_shift_and_label_smoothing_flags_are_checked():
         config.parse_args(["--augment", "--shift", "-1"])
 
 
+def test_augment_photo_fills_in_its_operations_where_their_flags_are_not_given(tmp_path):
+    folder = ["--dataset", "folder", "--data-dir", str(tmp_path)]
+    cfg = config.parse_args([*folder, "--augment", "photo", "--jitter", "0.1"])
+    assert (cfg.augment, cfg.crop_scale, cfg.jitter, cfg.erase, cfg.shift, cfg.flip) == (True, 0.35, 0.1, 0.25, 0, True)
+    assert {"crop_scale", "jitter", "erase", "shift"}.isdisjoint(cfg.unset)  # args.yaml records the preset's values
+    cifar = config.parse_args(["--dataset", "cifar10", "--augment", "photo", "--shift", "2"])
+    assert (cifar.crop_scale, cifar.shift, cifar.flip) == (0.35, 2, False)  # --flip: a folder's
+    plain = config.parse_args(["--dataset", "cifar10", "--augment"])
+    assert (plain.crop_scale, plain.jitter, plain.erase, plain.shift) == (None, 0.0, 0.0, None)
+    assert config.parse_args(["--augment", "photo", "--no-augment"]).augment is False
+    for argv, message in [
+        (["--jitter", "0.2"], "--jitter is an operation of --augment: add --augment (or --augment photo), or drop it"),
+        (["--erase", "0.2", "--crop-scale", "0.5"], "--crop-scale, --erase are operations of --augment"),
+        (["--augment", "--crop-scale", "0"], "--crop-scale is the smallest share of the area a crop keeps"),
+        (["--augment", "--jitter", "1"], "--jitter is below 1 and --erase a chance from 0 to 1"),
+        (["--augment", "--erase", "1.5"], "--jitter is below 1 and --erase a chance from 0 to 1"),
+    ]:
+        with pytest.raises(config.ConfigError) as refused:
+            config.parse_args(argv)
+        assert str(refused.value).startswith(message), argv
+    for argv in (["--augment", "sharp"], ["--no-augment", "photo"]):
+        with pytest.raises(SystemExit):
+            config.parse_args(argv)
+
+
 def test_tta_on_a_folder_needs_flip(tmp_path):
     """--tta mirrors the evaluation images: on a folder it goes with --flip, which trains on mirrored ones. The
     command line's checks (cli.parse_command) ask the augmentation's policy, which the configuration cannot."""

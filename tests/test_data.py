@@ -426,18 +426,21 @@ def test_augmentation_is_reproducible_and_differs_by_epoch_and_batch():
         assert not np.array_equal(draw(*other), draw(42, 3, 7)), other
 
 
+PHOTO = augment.Augment(pad=0, flip=True, crop_scale=0.35, jitter=0.4, erase=0.25)  # --augment photo's
+
+
 @pytest.mark.parametrize("workers", [2, 3])
-def test_each_workers_share_is_augmented_as_one_process_augments_the_global_batch(workers):
+@pytest.mark.parametrize("policy", [augment.POLICIES["cifar10"], PHOTO])
+def test_each_workers_share_is_augmented_as_one_process_augments_the_global_batch(workers, policy):
     """N workers then train on the images one process would: the same shift and flip for every image."""
     images = np.random.RandomState(1).randint(0, 256, size=(96, 3, 32, 32)).astype(np.uint8)
-    policy = augment.POLICIES["cifar10"]
-    whole = augment.shift_and_flip(images, policy, augment.batch_rng(7, 2, 5))
+    whole = augment.augment_batch(images, policy, augment.batch_rng(7, 2, 5))
     n = 96 // workers
     for rank in range(workers):
         part = images[rank * n : rank * n + n]
-        share = augment.shift_and_flip(part, policy, augment.batch_rng(7, 2, 5), rank * n, 96)
+        share = augment.augment_batch(part, policy, augment.batch_rng(7, 2, 5), rank * n, 96)
         np.testing.assert_array_equal(share, whole[rank * n : rank * n + n])
-    alone = augment.shift_and_flip(images[n : 2 * n], policy, augment.batch_rng(7, 2, 5))  # draws of its own
+    alone = augment.augment_batch(images[n : 2 * n], policy, augment.batch_rng(7, 2, 5))  # draws of its own
     assert not np.array_equal(alone, whole[n : 2 * n])
 
 
@@ -449,10 +452,11 @@ def test_digits_are_shifted_but_never_mirrored():
     assert set(columns.tolist()) == {1, 2, 3, 4, 5}
 
 
-def test_batches_resume_mid_epoch_with_the_same_augmentation():
+@pytest.mark.parametrize("policy", [augment.POLICIES["cifar10"], PHOTO])
+def test_batches_resume_mid_epoch_with_the_same_augmentation(policy):
     split = data.Split(*make_colour_images(40, seed=1))
     ds = data.Dataset("cifar10", split, split, split, (0.5,) * 3, (0.25,) * 3, tuple("abcdefghij"))
-    plan = data.AugmentPlan(augment.POLICIES["cifar10"], seed=5, epoch=2, rank=1, world_size=2)
+    plan = data.AugmentPlan(policy, seed=5, epoch=2, rank=1, world_size=2)
     index_batches = [np.arange(k * 8, k * 8 + 8) for k in range(5)]
     whole = list(data.batches(split, ds, index_batches, plan))
     resumed = list(data.batches(split, ds, index_batches[3:], plan, first=3))
@@ -461,6 +465,51 @@ def test_batches_resume_mid_epoch_with_the_same_augmentation():
     plain = next(data.batches(split, ds, index_batches[:1]))[0]
     np.testing.assert_array_equal(plain, data.normalise(split.images[:8], ds.mean, ds.std))
     assert not np.array_equal(plain, whole[0][0])
+
+
+def test_a_resized_crop_zooms_into_a_part_of_the_image_and_a_whole_square_crop_is_the_image():
+    ramp = np.tile((np.arange(64) * 4).astype(np.uint8), (200, 3, 48, 1))  # each row 0, 4, ..., 252 left to right
+    every = slice(0, 200)
+    out = augment.resized_crops(ramp, 0.35, np.random.default_rng(0), every, 200)
+    assert out.shape == ramp.shape and out.dtype == np.uint8
+    steps = np.diff(out[:, 0].astype(int), axis=-1)
+    assert (steps >= 0).all() and (out[:, :, 1:] == out[:, :, :1]).all()  # still one ramp, rising to the right
+    spans = out[:, 0, 0, -1].astype(int) - out[:, 0, 0, 0]  # what a row covers of the original's 252
+    assert spans.max() <= 252 and spans.min() >= int(252 * np.sqrt(0.35) / np.sqrt(4 / 3)) - 8
+    assert spans.mean() < 230 and len(set(spans.tolist())) > 50  # crops of many sizes, most smaller than the image
+    images = np.random.default_rng(1).integers(0, 256, (16, 3, 32, 40), dtype=np.uint8)
+    whole = augment.resized_crops(images, 1.0, np.random.default_rng(2), slice(0, 16), 16, ratio=1.0)
+    np.testing.assert_array_equal(whole, images)  # all of the area at the image's own aspect: every pixel kept
+
+
+def test_colour_jitter_scales_brightness_contrast_and_saturation_in_turn():
+    images = np.random.default_rng(3).integers(0, 256, (32, 3, 24, 24), dtype=np.uint8)
+    out = augment.colour_jitter(images, 0.4, np.random.default_rng(4), slice(0, 32), 32)
+    draws = np.random.default_rng(4)
+    b, c, s = (draws.uniform(0.6, 1.4, 32)[:, None, None, None] for _ in range(3))
+    grey = lambda x: np.tensordot([0.299, 0.587, 0.114], x, axes=([0], [1]))[:, None]  # noqa: E731
+    x = images * b
+    x = (x - grey(x).mean(axis=(1, 2, 3), keepdims=True)) * c + grey(x).mean(axis=(1, 2, 3), keepdims=True)
+    x = (x - grey(x)) * s + grey(x)
+    expected = np.rint(np.clip(x, 0, 255))
+    assert np.abs(out - expected).max() <= 1  # float32 against float64, one rounding apart at most
+    grey_images = images[:, :1]
+    plain = augment.colour_jitter(grey_images, 0.4, np.random.default_rng(4), slice(0, 32), 32)
+    x = grey_images * b
+    x = (x - x.mean(axis=(1, 2, 3), keepdims=True)) * c + x.mean(axis=(1, 2, 3), keepdims=True)
+    assert np.abs(plain - np.rint(np.clip(x, 0, 255))).max() <= 1  # grey: no saturation to change
+
+
+def test_random_erasing_paints_one_rectangle_of_one_colour_over_about_its_share_of_the_images():
+    images = np.full((400, 3, 40, 40), 7, np.uint8)
+    out = augment.erase_rectangles(images, 0.25, np.random.default_rng(5), slice(0, 400), 400)
+    changed = [k for k in range(400) if not np.array_equal(out[k], images[k])]
+    assert 70 < len(changed) < 130
+    for k in changed:
+        rows, cols = np.nonzero((out[k] != 7).any(axis=0))
+        box = out[k][:, rows.min() : rows.max() + 1, cols.min() : cols.max() + 1]
+        assert (box == box[:, :1, :1]).all()  # one rectangle of one colour
+        assert 0.015 <= box[0].size / 1600 <= 0.3
 
 
 def test_shift_zero_leaves_only_flips():

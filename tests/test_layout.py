@@ -141,8 +141,10 @@ def rooms() -> dict[str, set[str]]:
 # the top of each. A module that grows past its ceiling, or a new one past 400 lines, fails until it is split or
 # its entry here is argued for in review.
 LONG_MODULES = {
-    # 2026-11-28: + --config, Config.unset, --labels (#69), Config.__post_init__ (#68); 2026-11-29: --opt, --patience
-    "paddle_mnist.config": 830,
+    # 2026-11-28: + --config, Config.unset, --labels (#69), Config.__post_init__ (#68); 2026-11-29: --opt, --patience,
+    # --augment photo and its operations' flags. Its parser's sections are the candidates to split off, as a room
+    # on the config floor.
+    "paddle_mnist.config": 960,
     "paddle_mnist.datasets.folder": 780,
     "paddle_mnist.files.logs": 640,
     "paddle_mnist.training.trainer": 520,

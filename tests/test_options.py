@@ -42,6 +42,7 @@ def test_a_config_file_sets_options_and_a_flag_on_the_command_line_wins(tmp_path
         ("epochs: -1\n", "epochs: --epochs must be >= 0, got -1"),
         ("model: resnet\n", "model is one of mnist_cnn, "),
         ("sync_bn: 1\n", "sync_bn is true or false, got 1"),
+        ("augment: fancy\n", "augment is true or false or photo, got 'fancy'"),
         ("seed: [1, 2]\n", "seed takes a whole number as --seed does, got [1, 2]"),
         ("eval_batch_size: null\n", "eval_batch_size has no value; give one (its default is 1000) or drop the key"),
         ("config: other.yaml\n", "config names another file; a file of options cannot: merge the two"),
@@ -72,6 +73,8 @@ def test_a_missing_config_file_is_refused_naming_it(tmp_path):
         ["--model", "resnet18", "--dataset", "folder", "--data-dir", "p", "--pretrained", "--freeze-epochs", "1"],
         ["--weight-decay", "5e-05", "--warmup-epochs", "0.3", "--collective-timeout", "20", "--resume", "auto"],
         ["--seed", "7", "--profile-steps", "3:5", "--tta", "--ema", "0.999", "--target-acc", "0.9123456789"],
+        ["--dataset", "folder", "--data-dir", "photos", "--augment", "photo", "--erase", "0.5"],
+        ["--dataset", "cifar10", "--augment", "--jitter", "0.2"],
     ],
 )
 def test_args_yaml_reads_back_to_the_same_configuration(tmp_path, argv):

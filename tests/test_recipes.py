@@ -253,10 +253,14 @@ def mnist_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["", "--opt adamw --sched cosine --warmup-epochs 1 --class-weights balanced"])
+@pytest.mark.parametrize(
+    "optimizer",
+    ["", "--opt adamw --sched cosine --warmup-epochs 1 --class-weights balanced --augment photo --jitter 0.3"],
+)
 def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path, optimizer):
     """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights,
-    with momentum SGD and with AdamW on a cosine schedule, its loss weighted by class."""
+    with momentum SGD and with AdamW on a cosine schedule, its loss weighted by class, on photo augmentation's
+    crops, jitter and erasing (each image's drawn by its place in the global batch)."""
     args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2", *optimizer.split()]
     args += ["--model", "mnist_cnn"]  # no batch norm: a worker's statistics would differ from the whole batch's
     args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]

@@ -1,4 +1,5 @@
-"""Batch augmentation: random shifts (pad and crop) and horizontal flips, on whole uint8 batches at once."""
+"""Batch augmentation on whole uint8 batches at once: random shifts (pad and crop) and horizontal flips, and for
+photos (--augment photo) random resized crops, colour jitter and random erasing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from paddle_mnist.config import FOLDER
 class Augment:
     pad: int  # shift by up to this many pixels each way (zero padding, then a random crop)
     flip: bool  # mirror left-right with probability 1/2
+    crop_scale: float | None = None  # random resized crop: a share of the area in [crop_scale, 1], resized back
+    jitter: float = 0.0  # brightness, contrast and saturation each times a factor in [1 - jitter, 1 + jitter]
+    erase: float = 0.0  # the chance that an image has a random rectangle painted over in one random colour
+
+    @property
+    def photo_ops(self) -> bool:
+        return self.crop_scale is not None or bool(self.jitter) or bool(self.erase)
 
 
 # CIFAR-10: pad 4 of 32 (about 0.1 of the width, as the tutorials shifted) and flips. Digits are not mirror
@@ -53,16 +61,19 @@ def mirror_asymmetry(images: np.ndarray, labels: np.ndarray, chunk: int = 4096) 
     return float(np.median(found))
 
 
-def policy_for(dataset: str, shape: tuple[int, int, int], shift: int | None = None, flip: bool = False) -> Augment:
+def policy_for(
+    dataset: str, shape: tuple[int, int, int], shift: int | None = None, flip: bool = False, **photo
+) -> Augment:
     """The policy a run's training batches get: a built-in dataset's own (POLICIES); a folder's shifts scaled to
     its images' (channels, height, width), and flips where flip (--flip) says its classes are mirror-symmetric (a
-    built-in dataset flips as its policy says). --shift (shift) replaces the shift."""
+    built-in dataset flips as its policy says). --shift (shift) replaces the shift; photo: crop_scale, jitter and
+    erase (--crop-scale, --jitter, --erase) as given."""
     if dataset == FOLDER:
         _, height, width = shape
         base = Augment(pad=max(1, min(height, width) // FOLDER_SHARE), flip=flip)
     else:
         base = POLICIES[dataset]
-    return base if shift is None else dataclasses.replace(base, pad=shift)
+    return dataclasses.replace(base, **photo, **({} if shift is None else {"pad": shift}))
 
 
 def tta_problem(dataset: str, flip: bool) -> str | None:
@@ -89,13 +100,20 @@ def describe(
     shift: int | None = None,
     flip: bool = False,
     asymmetry: float | None = None,
+    **photo,
 ) -> str:
     """The policy for the start-up line; for a folder, also the rule, the flags that change it, and whether its
     classes (asymmetry: their measured mirror asymmetry) look the same mirrored."""
-    policy = policy_for(dataset, shape, shift, flip)
-    parts = ([f"random shifts of up to {policy.pad} px"] if policy.pad else ["no shifts"]) + (
-        ["horizontal flips"] if policy.flip else ["no flips"]
+    policy = policy_for(dataset, shape, shift, flip, **photo)
+    parts = (
+        ([f"random resized crops of {policy.crop_scale:g} to 1 of the area"] if policy.crop_scale is not None else [])
+        + ([f"random shifts of up to {policy.pad} px"] if policy.pad else ["no shifts"])
+        + (["horizontal flips"] if policy.flip else ["no flips"])
+        + ([f"colour jitter of {policy.jitter:g}"] if policy.jitter else [])
+        + ([f"random erasing with chance {policy.erase:g}"] if policy.erase else [])
     )
+    if policy.photo_ops:
+        parts = [p for p in parts if p != "no shifts"]
     if dataset != FOLDER:
         parts = [p for p in parts if p not in ("no shifts", "no flips")]
         return " and ".join(parts) or "nothing to do (no shift, and this dataset is not flipped)"
@@ -151,4 +169,100 @@ def shift_and_flip(
         mirror = rng.random(total)[places] < 0.5
         out = out.copy() if out is images else out
         out[mirror] = out[mirror, :, :, ::-1]
+    return out
+
+
+def augment_batch(
+    images: np.ndarray,
+    policy: Augment,
+    rng: np.random.Generator,
+    position: int | np.ndarray = 0,
+    total: int | None = None,
+) -> np.ndarray:
+    """uint8 (N, C, H, W) -> the batch augmented by policy: shifts and flips (shift_and_flip), then the photo
+    operations it has, in this order: a random resized crop, colour jitter, random erasing. position and total
+    as in shift_and_flip: every operation draws for all `total` images of the global batch, in a fixed order, and
+    these images take their places' draws."""
+    n = len(images)
+    total = n if total is None else total
+    places = slice(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
+    out = shift_and_flip(images, policy, rng, position, total)
+    if policy.crop_scale is not None:
+        out = resized_crops(out, policy.crop_scale, rng, places, total)
+    if policy.jitter:
+        out = colour_jitter(out, policy.jitter, rng, places, total)
+    if policy.erase:
+        out = erase_rectangles(out, policy.erase, rng, places, total)
+    return out
+
+
+GREY = np.float32([0.299, 0.587, 0.114])  # a colour pixel's grey (ITU-R BT.601)
+
+
+def _draw(rng: np.random.Generator, low: float, high: float, total: int, places) -> np.ndarray:
+    return rng.uniform(low, high, total)[places]
+
+
+def resized_crops(
+    images: np.ndarray, scale: float, rng: np.random.Generator, places, total: int, ratio: float = 4 / 3
+) -> np.ndarray:
+    """Each image's crop of a random share of its area in [scale, 1] and aspect ratio in [1/ratio, ratio] (drawn
+    on a log scale), at a random place, resized back to the image's size by bilinear interpolation."""
+    n, _, h, w = images.shape
+    area = _draw(rng, scale, 1.0, total, places)
+    aspect = np.exp(_draw(rng, -np.log(ratio), np.log(ratio), total, places))
+    ch = np.clip(np.sqrt(area / aspect) * h, 1.0, h)  # the crop's height and width in pixels
+    cw = np.clip(np.sqrt(area * aspect) * w, 1.0, w)
+    top = _draw(rng, 0.0, 1.0, total, places) * (h - ch)
+    left = _draw(rng, 0.0, 1.0, total, places) * (w - cw)
+    # where each output pixel's centre falls in the input, in pixel coordinates: rows, then columns (separable)
+    ys = np.clip(top[:, None] + (np.arange(h) + 0.5) * (ch / h)[:, None] - 0.5, 0, h - 1)
+    xs = np.clip(left[:, None] + (np.arange(w) + 0.5) * (cw / w)[:, None] - 0.5, 0, w - 1)
+    y0, x0 = ys.astype(np.int64), xs.astype(np.int64)  # floor: both are at least 0
+    y1, x1 = np.minimum(y0 + 1, h - 1), np.minimum(x0 + 1, w - 1)
+    wy, wx = (ys - y0).astype(np.float32), (xs - x0).astype(np.float32)
+    out = np.empty(images.shape, np.float32)
+    for k in range(n):  # an image at a time: gathers along one axis are numpy's fast case
+        image = images[k].astype(np.float32)
+        upper, lower = image[:, y0[k]], image[:, y1[k]]
+        rows = upper + (lower - upper) * wy[k][:, None]
+        before, after = rows[:, :, x0[k]], rows[:, :, x1[k]]
+        out[k] = before + (after - before) * wx[k]
+    return np.rint(out).astype(np.uint8)
+
+
+def colour_jitter(images: np.ndarray, strength: float, rng: np.random.Generator, places, total: int) -> np.ndarray:
+    """Each image's brightness, contrast and (in colour) saturation scaled by its own factors in
+    [1 - strength, 1 + strength], in that order: contrast about the image's mean grey, saturation about each
+    pixel's grey (GREY's weights), clipped to 0..255 once at the end."""
+    low, high = max(0.0, 1 - strength), 1 + strength
+    b, c, s = (_draw(rng, low, high, total, places).astype(np.float32)[:, None, None, None] for _ in range(3))
+    x = images.astype(np.float32)
+    grey = np.tensordot(GREY, x, axes=([0], [1]))[:, None] if x.shape[1] == 3 else x  # (N, 1, H, W)
+    mean = grey.mean(axis=(1, 2, 3), dtype=np.float32, keepdims=True)
+    if x.shape[1] != 3:
+        s = np.ones_like(s)  # no saturation in grey
+    # the three steps in one: b x, then about its mean grey b m times c, then about each pixel's grey times s
+    x *= s * c * b
+    x += grey * (c * b * (1 - s)) + b * mean * (1 - c)
+    return np.rint(np.clip(x, 0, 255, out=x)).astype(np.uint8)
+
+
+def erase_rectangles(
+    images: np.ndarray, chance: float, rng: np.random.Generator, places, total: int, area=(0.02, 0.25), ratio=3.3
+) -> np.ndarray:
+    """With the given chance per image, a rectangle of a random share of its area (in `area`) and aspect ratio
+    (in [1/ratio, ratio], on a log scale), at a random place, painted in one random colour."""
+    n, c, h, w = images.shape
+    erased = rng.random(total)[places] < chance
+    share = _draw(rng, *area, total, places)
+    aspect = np.exp(_draw(rng, -np.log(ratio), np.log(ratio), total, places))
+    eh = np.clip(np.rint(np.sqrt(share * aspect) * h), 1, h).astype(np.int64)
+    ew = np.clip(np.rint(np.sqrt(share / aspect) * w), 1, w).astype(np.int64)
+    top = (_draw(rng, 0.0, 1.0, total, places) * (h - eh + 1)).astype(np.int64)
+    left = (_draw(rng, 0.0, 1.0, total, places) * (w - ew + 1)).astype(np.int64)
+    colours = rng.integers(0, 256, size=(total, c))[places].astype(np.uint8)
+    out = images.copy()
+    for k in np.flatnonzero(erased):
+        out[k, :, top[k] : top[k] + eh[k], left[k] : left[k] + ew[k]] = colours[k][:, None, None]
     return out

@@ -223,6 +223,11 @@ class AugmentPlan:
     accum: int = 1
 
 
+def photo_ops(cfg) -> dict:
+    """cfg's photo augmentation (--crop-scale, --jitter, --erase) as augment.policy_for takes it."""
+    return {"crop_scale": cfg.crop_scale, "jitter": cfg.jitter, "erase": cfg.erase}
+
+
 def batches(
     split: Split, ds: Dataset, index_batches: Iterable, plan: AugmentPlan | None = None, first: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
@@ -234,7 +239,7 @@ def batches(
             rng = augment.batch_rng(plan.seed, plan.epoch, k)
             n = len(idx)
             places = worker_places(n, plan.rank, plan.world_size, plan.accum)
-            images = augment.shift_and_flip(images, plan.policy, rng, places, plan.world_size * n)
+            images = augment.augment_batch(images, plan.policy, rng, places, plan.world_size * n)
         yield normalise(images, ds.mean, ds.std), split.labels[idx]
 
 
@@ -293,7 +298,9 @@ class TrainBatches:
         self.samplers = [make_sampler(len(split), per_worker, r, world_size) for r in spread]
         self.places = worker_places(per_worker, rank, world_size, self.accum)
         self.seed = cfg.seed
-        self.policy = augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip) if cfg.augment else None
+        self.policy = (
+            augment.policy_for(ds.name, ds.image_shape, cfg.shift, cfg.flip, **photo_ops(cfg)) if cfg.augment else None
+        )
 
     def __len__(self) -> int:
         return len(self.sampler)  # batches per epoch

@@ -35,7 +35,7 @@ def _flag(action: argparse.Action) -> str:
 
 
 def _is_switch(action: argparse.Action) -> bool:
-    """An option that takes no value on the command line: --sync-bn, or --augment/--no-augment."""
+    """An option that takes no value on the command line: --sync-bn, or --tta."""
     return action.nargs == 0
 
 
@@ -45,9 +45,11 @@ def _value(key: str, value: object, action: argparse.Action, where: str) -> obje
         if action.default is None:  # a default the run works out: the model's recipe, the dataset's policy, ...
             return None
         raise ConfigError(f"{where}: {key} has no value; give one (its default is {action.default!r}) or drop the key")
-    if _is_switch(action):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: {key} is true or false, got {value!r}")
+    presets = getattr(action, "presets", ())  # --augment's: --augment photo
+    if _is_switch(action) or presets:
+        if not isinstance(value, bool) and value not in presets:
+            named = "".join(f" or {name}" for name in presets)
+            raise ConfigError(f"{where}: {key} is true or false{named}, got {value!r}")
         return value
     kind = _KINDS.get(_FIELD_TYPES[key].split(" ")[0], "a single value")
     if isinstance(value, (bool, list, dict)):

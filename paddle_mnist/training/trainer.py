@@ -156,7 +156,7 @@ def _stretched_text(cfg: Config, train_images: int, steps_per_epoch: int) -> str
 def _augment_text(cfg: Config, ds: data.Dataset) -> str:
     if not cfg.augment:
         return "off"
-    return augment.describe(ds.name, ds.image_shape, cfg.shift, cfg.flip, ds.mirror_asymmetry)
+    return augment.describe(ds.name, ds.image_shape, cfg.shift, cfg.flip, ds.mirror_asymmetry, **data.photo_ops(cfg))
 
 
 def _log_model(cfg: Config, env: DistEnv, log: logging.Logger, ds: data.Dataset, model: paddle.nn.Layer) -> str | None:
