@@ -19,6 +19,7 @@ CONFIG_FILE = "config.json"  # the run's Config, in its output directory
 AUGMENTED_BY_DEFAULT = ("cifar10", "mnist", "mnist-json")  # shifts lift MNIST past 99.3% (docs/results.md)
 # --augment photo: the photo operations in place of shifts (docs/datasets.md, "Augmentation for photos")
 AUGMENT_PRESETS = {"photo": {"crop_scale": 0.35, "jitter": 0.4, "erase": 0.25, "shift": 0}}
+PHOTO_OPERATIONS = ("crop_scale", "jitter", "erase", "mixup", "cutmix")  # each 0 when off
 LR_SCHEDULES = ("poly", "cosine", "constant")
 OPTIMIZERS = ("sgd", "adamw")
 CLASS_WEIGHTS = ("none", "balanced")
@@ -109,9 +110,11 @@ class Config:
     model: str = "mnist_cnn_bn_fc"
     augment: bool = False  # parse_args fills in the dataset's default when neither flag is given
     shift: int | None = None  # largest random shift in pixels when augmenting; None: the dataset's policy
-    crop_scale: float | None = None  # random resized crops of [crop_scale, 1] of the area when augmenting; None: none
+    crop_scale: float = 0.0  # random resized crops of [crop_scale, 1] of the area when augmenting (0: none)
     jitter: float = 0.0  # colour jitter when augmenting: brightness, contrast, saturation times [1 - j, 1 + j]
     erase: float = 0.0  # random erasing when augmenting: each image's chance of a painted-over rectangle
+    mixup: float = 0.0  # mixup's Beta(a, a) when augmenting: each image blended with its partner (0: none)
+    cutmix: float = 0.0  # cutmix's Beta(a, a) when augmenting: a rectangle of its partner pasted in (0: none)
     # RECIPE_FLAGS left None take the model's recipe (RECIPES, __post_init__)
     epochs: int | None = None
     max_steps: int = 0
@@ -271,7 +274,7 @@ def _data(p: argparse.ArgumentParser, d: Config) -> None:
         "--crop-scale",
         type=float,
         help="with --augment: random resized crops, each of a share of the image's area from this to 1 and an aspect "
-        f"ratio from 3/4 to 4/3, resized back (default: {photo['crop_scale']} with --augment photo, else none)",
+        f"ratio from 3/4 to 4/3, resized back (default: {photo['crop_scale']} with --augment photo, else 0: none)",
     )
     p.add_argument(
         "--jitter",
@@ -285,6 +288,16 @@ def _data(p: argparse.ArgumentParser, d: Config) -> None:
         help="with --augment: random erasing, each image's chance of a rectangle of 2%% to 25%% of its area painted "
         f"one random colour (default: {photo['erase']} with --augment photo, else 0)",
     )
+    mixing = (
+        "by a share drawn from Beta(A, A), the loss mixed alike (default: 0, none; with both, each image takes one)"
+    )
+    p.add_argument(
+        "--mixup", type=float, metavar="A", help=f"with --augment: each image blended with its partner {mixing}"
+    )
+    p.add_argument(
+        "--cutmix", type=float, metavar="A", help=f"with --augment: a rectangle of its partner pasted in {mixing}"
+    )
+    # a partner: its neighbour in the global batch (augment.mix_pairs)
 
 
 class _AugmentAction(argparse.Action):
@@ -307,20 +320,21 @@ def _fill_augment(ns: argparse.Namespace) -> None:
     if preset is not None:
         filled = {key: value for key, value in preset.items() if getattr(ns, key) is None}
         ns.__dict__.update(filled, augment=True, flip=ns.flip or ns.dataset == FOLDER)
-        ns.unset = tuple(key for key in ns.unset if key not in filled)  # args.yaml records the preset's values
-    ns.jitter = ns.jitter or 0.0
-    ns.erase = ns.erase or 0.0
-    given = [flag for flag, key in (("--crop-scale", "crop_scale"), ("--jitter", "jitter"), ("--erase", "erase"))]
-    given = [flag for flag in given if getattr(ns, flag[2:].replace("-", "_"))]
+    for key in PHOTO_OPERATIONS:  # 0: off; args.yaml records the values, the preset's included
+        setattr(ns, key, getattr(ns, key) or 0.0)
+    ns.unset = tuple(key for key in ns.unset if key not in (*PHOTO_OPERATIONS, "shift") or getattr(ns, key) is None)
+    given = [f"--{key.replace('_', '-')}" for key in PHOTO_OPERATIONS if getattr(ns, key)]
     if given and not ns.augment:
         raise ConfigError(
             f"{', '.join(given)} {'are operations' if len(given) > 1 else 'is an operation'} of --augment: add "
             "--augment (or --augment photo), or drop it"
         )
-    if ns.crop_scale is not None and not 0 < ns.crop_scale <= 1:
+    if not 0 <= ns.crop_scale <= 1:
         raise ConfigError(
-            f"--crop-scale is the smallest share of the area a crop keeps: above 0 and at most 1, got {ns.crop_scale}"
+            f"--crop-scale is the smallest share of the area a crop keeps: at most 1 (0: no crops), got {ns.crop_scale}"
         )
+    if ns.mixup < 0 or ns.cutmix < 0:
+        raise ConfigError(f"--mixup and --cutmix take Beta's a, above 0 (0: off); got {ns.mixup} and {ns.cutmix}")
     if not 0 <= ns.jitter < 1 or not 0 <= ns.erase <= 1:
         raise ConfigError(
             f"--jitter is below 1 and --erase a chance from 0 to 1, both at least 0; got {ns.jitter} and {ns.erase}"
@@ -836,6 +850,11 @@ def global_batch(cfg: Config, world_size: int) -> int:
         raise ConfigError(
             f"--batch-size {batch} does not divide by {into}: "
             f"pass a multiple of {parts}, e.g. --batch-size {lower or parts}"
+        )
+    if (cfg.mixup or cfg.cutmix) and batch // parts % 2:
+        raise ConfigError(
+            f"--mixup and --cutmix mix pairs of images in each worker's micro-batch, of {batch // parts} images here: "
+            f"pass a --batch-size that is a multiple of {2 * parts}, e.g. --batch-size {batch + parts}"
         )
     return batch
 

@@ -133,18 +133,31 @@ def test_augment_photo_fills_in_its_operations_where_their_flags_are_not_given(t
     cifar = config.parse_args(["--dataset", "cifar10", "--augment", "photo", "--shift", "2"])
     assert (cifar.crop_scale, cifar.shift, cifar.flip) == (0.35, 2, False)  # --flip: a folder's
     plain = config.parse_args(["--dataset", "cifar10", "--augment"])
-    assert (plain.crop_scale, plain.jitter, plain.erase, plain.shift) == (None, 0.0, 0.0, None)
+    assert (plain.crop_scale, plain.jitter, plain.erase, plain.shift) == (0.0, 0.0, 0.0, None)
     assert config.parse_args(["--augment", "photo", "--no-augment"]).augment is False
     for argv, message in [
         (["--jitter", "0.2"], "--jitter is an operation of --augment: add --augment (or --augment photo), or drop it"),
         (["--erase", "0.2", "--crop-scale", "0.5"], "--crop-scale, --erase are operations of --augment"),
-        (["--augment", "--crop-scale", "0"], "--crop-scale is the smallest share of the area a crop keeps"),
+        (["--augment", "--crop-scale", "1.5"], "--crop-scale is the smallest share of the area a crop keeps"),
         (["--augment", "--jitter", "1"], "--jitter is below 1 and --erase a chance from 0 to 1"),
         (["--augment", "--erase", "1.5"], "--jitter is below 1 and --erase a chance from 0 to 1"),
     ]:
         with pytest.raises(config.ConfigError) as refused:
             config.parse_args(argv)
         assert str(refused.value).startswith(message), argv
+    with pytest.raises(config.ConfigError, match="^--mixup is an operation of --augment"):
+        config.parse_args(["--mixup", "0.2"])
+    with pytest.raises(config.ConfigError, match="^--mixup and --cutmix take Beta's a, above 0"):
+        config.parse_args(["--augment", "--cutmix", "-1"])
+    mixing = config.parse_args(["--augment", "--cutmix", "1", "--batch-size", "96", "--accum-steps", "3"])
+    assert config.global_batch(mixing, 2) == 96  # micro-batches of 16
+    odd = config.parse_args(["--augment", "--cutmix", "1", "--batch-size", "90", "--accum-steps", "3"])
+    with pytest.raises(config.ConfigError) as refused:
+        config.global_batch(odd, 2)  # micro-batches of 15
+    assert str(refused.value) == (
+        "--mixup and --cutmix mix pairs of images in each worker's micro-batch, of 15 images here: pass a "
+        "--batch-size that is a multiple of 12, e.g. --batch-size 96"
+    )
     for argv in (["--augment", "sharp"], ["--no-augment", "photo"]):
         with pytest.raises(SystemExit):
             config.parse_args(argv)

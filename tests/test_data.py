@@ -512,6 +512,56 @@ def test_random_erasing_paints_one_rectangle_of_one_colour_over_about_its_share_
         assert 0.015 <= box[0].size / 1600 <= 0.3
 
 
+def test_mixup_blends_each_image_with_its_partner_by_its_share_and_labels_both():
+    images = np.random.default_rng(6).integers(0, 256, (64, 3, 16, 16), dtype=np.uint8)
+    labels = np.arange(64) % 10
+    policy = augment.Augment(pad=0, flip=False, mixup=0.4)
+    out, rows = augment.mix_pairs(images, labels, policy, np.random.default_rng(7))
+    assert rows.dtype == np.float32 and rows.shape == (64, 3)
+    partner = np.arange(64) ^ 1  # places 2j and 2j + 1
+    np.testing.assert_array_equal(rows[:, :2], np.stack([labels, labels[partner]], axis=1))
+    share = rows[:, 2][:, None, None, None]
+    expected = share * images + (1 - share) * images[partner].astype(np.float64)
+    assert np.abs(out - np.rint(expected)).max() <= 1
+    assert 0 < rows[:, 2].min() and rows[:, 2].max() < 1 and rows[:, 2].std() > 0.2  # Beta(0.4, 0.4): near 0 or 1
+
+
+def test_cutmix_pastes_one_rectangle_of_the_partner_and_the_share_is_the_own_pixels_left():
+    images = np.stack([np.full((3, 20, 24), k, np.uint8) for k in range(40)])  # image k: every pixel k
+    policy = augment.Augment(pad=0, flip=False, cutmix=1.0)
+    out, rows = augment.mix_pairs(images, np.arange(40), policy, np.random.default_rng(8))
+    for k in range(40):
+        own = out[k] == k
+        assert (own | (out[k] == k ^ 1)).all()  # its own pixels and its partner's only
+        rows_, cols = np.nonzero(~own[0])
+        if len(rows_):  # the partner's pixels form one rectangle
+            assert (~own[0][rows_.min() : rows_.max() + 1, cols.min() : cols.max() + 1]).all()
+        assert rows[k, 2] == pytest.approx(own[0].mean())
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_mixed_pairs_split_over_workers_as_one_process_mixes_them(workers):
+    images = np.random.default_rng(9).integers(0, 256, (64, 3, 16, 16), dtype=np.uint8)
+    labels = np.arange(64) % 10
+    policy = augment.Augment(pad=1, flip=True, crop_scale=0.5, mixup=0.4, cutmix=1.0)
+
+    def mixed(part, position, total):
+        rng = augment.batch_rng(3, 1, 4)
+        return augment.mix_pairs(
+            augment.augment_batch(part, policy, rng, position, total), labels[position], policy, rng, position, total
+        )
+
+    whole = mixed(images, np.arange(64), 64)
+    n = 64 // workers
+    for rank in range(workers):
+        places = data.worker_places(n, rank, workers, accum=2)  # two micro-batches a worker, each of whole pairs
+        got = mixed(images[places], places, 64)
+        np.testing.assert_array_equal(got[0], whole[0][places])
+        np.testing.assert_array_equal(got[1], whole[1][places])
+    with pytest.raises(ValueError, match="whole pairs"):
+        augment.mix_pairs(images[1:5], labels[1:5], policy, augment.batch_rng(3, 1, 4), 1, 64)
+
+
 def test_shift_zero_leaves_only_flips():
     policy = augment.policy_for("fashion-mnist", (1, 28, 28), 0)
     assert policy == augment.Augment(pad=0, flip=True) and augment.policy_for("cifar10", (3, 32, 32)).pad == 4

@@ -197,6 +197,33 @@ def test_a_step_with_balanced_class_weights_sums_each_images_loss_times_its_clas
     assert float(got) != pytest.approx(float(losses.sum()), rel=1e-2)  # the weights changed the sum
 
 
+def test_a_step_on_mixed_images_weighs_each_images_two_labels_losses_by_its_share():
+    """--mixup / --cutmix rows (label, partner's label, share): share of the first label's cross-entropy and
+    1 - share of the second's, times each label's class weight, summed; the accuracy counts the first label."""
+    from paddle_mnist.datasets.transfer import Feed
+    from paddle_mnist.training.state import TrainState
+
+    rng = np.random.RandomState(1)
+    images = rng.randn(16, 1, 28, 28).astype("float32")
+    own, other = np.array([0] * 10 + [1] * 4 + [2] * 2), rng.randint(0, 3, 16)
+    share = rng.uniform(0, 1, 16).astype("float32")
+    rows = np.stack([own, other, share], axis=1).astype("float32")
+    cfg = config.Config(model="mnist_cnn", class_weights="balanced", batch_size=16, epochs=1, label_smoothing=0.1)
+    state = TrainState.create(cfg, 3, (1, 28, 28), engine.ONE_PROCESS, 1, train_labels=own)
+    probe = build_model("mnist_cnn", 3, (1, 28, 28))
+    probe.set_state_dict(state.model.state_dict())
+    logits = probe(paddle.to_tensor(images))
+    weights = np.array([16 / 30, 16 / 12, 16 / 6])
+
+    def ce(labels):
+        return F.cross_entropy(logits, paddle.to_tensor(labels), reduction="none", label_smoothing=0.1).numpy().ravel()
+
+    expected = float((share * ce(own) * weights[own] + (1 - share) * ce(other) * weights[other]).sum())
+    right = int((logits.numpy().argmax(axis=1) == own).sum())
+    figures = engine.train_step(state, images, rows, cfg, Feed("cpu"), engine.ONE_PROCESS)
+    assert float(figures.loss_sum) == pytest.approx(expected, rel=1e-5) and int(figures.correct) == right
+
+
 def test_nesterov_is_the_look_ahead_step_of_the_cifar_fast_recipe():
     """Two steps of make_optimizer on w^2/2 (gradient w), lr 0.1, momentum 0.9: plain momentum moves w by the
     velocity, Nesterov by the gradient plus momentum times the new velocity."""
@@ -255,12 +282,17 @@ def mnist_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "optimizer",
-    ["", "--opt adamw --sched cosine --warmup-epochs 1 --class-weights balanced --augment photo --jitter 0.3"],
+    [
+        "",
+        "--opt adamw --sched cosine --warmup-epochs 1 --class-weights balanced --augment photo --jitter 0.3 "
+        "--mixup 0.4 --cutmix 1",
+    ],
 )
 def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path, optimizer):
     """--batch-size 96 --accum-steps 3 on 2 workers (micro-batches of 16) ends with one process's batch-96 weights,
     with momentum SGD and with AdamW on a cosine schedule, its loss weighted by class, on photo augmentation's
-    crops, jitter and erasing (each image's drawn by its place in the global batch)."""
+    crops, jitter and erasing and on pairs mixed by mixup and cutmix (each image's drawn by its place in the global
+    batch)."""
     args = [*PLAIN_MNIST, "--data-dir", str(mnist_dir), "--train-limit", "480", "--epochs", "2", *optimizer.split()]
     args += ["--model", "mnist_cnn"]  # no batch norm: a worker's statistics would differ from the whole batch's
     args += ["--batch-size", "96", "--log-every", "0", "--lr", "0.02"]
@@ -269,6 +301,10 @@ def test_accumulation_on_two_workers_equals_one_big_batch(mnist_dir, tmp_path, o
     two = run_launch([*args, "--accum-steps", "3", "--output-dir", str(tmp_path / "two")], tmp_path, tmp_path / "log")
     assert two.returncode == 0, explain(two, tmp_path / "log")
     assert "batch: 48 per worker (3 micro-batches of 16), 96 global" in worker_log(tmp_path / "log", 1)
+    if "--cutmix" in optimizer:  # the augmentation ran: its operations are on the start-up line
+        assert "colour jitter of 0.3 and random erasing with chance 0.25 and mixup with Beta(0.4, 0.4) and cutmix" in (
+            worker_log(tmp_path / "log", 1)
+        )
     a, b = weights(tmp_path / "one" / "model.pdparams"), weights(tmp_path / "two" / "model.pdparams")
     # The step's sums in float64, rounded once (network/exact.py): the same bits. Summed in float32, MKL's AVX2
     # kernels (which the trainer turns on) grouped a GEMM's sums by the batch's shape, and the weights drifted

@@ -16,13 +16,20 @@ from paddle_mnist.config import FOLDER
 class Augment:
     pad: int  # shift by up to this many pixels each way (zero padding, then a random crop)
     flip: bool  # mirror left-right with probability 1/2
-    crop_scale: float | None = None  # random resized crop: a share of the area in [crop_scale, 1], resized back
+    crop_scale: float = 0.0  # random resized crop: a share of the area in [crop_scale, 1], resized back (0: none)
     jitter: float = 0.0  # brightness, contrast and saturation each times a factor in [1 - jitter, 1 + jitter]
     erase: float = 0.0  # the chance that an image has a random rectangle painted over in one random colour
+    mixup: float = 0.0  # blend each image with its partner in the global batch by a share drawn from Beta(a, a)
+    cutmix: float = 0.0  # paste a rectangle of its partner into each image, its area's share from Beta(a, a)
 
     @property
     def photo_ops(self) -> bool:
-        return self.crop_scale is not None or bool(self.jitter) or bool(self.erase)
+        return bool(self.crop_scale or self.jitter or self.erase) or self.mixes
+
+    @property
+    def mixes(self) -> bool:
+        """Whether the batch's labels become mixed ones (mix_pairs)."""
+        return bool(self.mixup or self.cutmix)
 
 
 # CIFAR-10: pad 4 of 32 (about 0.1 of the width, as the tutorials shifted) and flips. Digits are not mirror
@@ -106,14 +113,18 @@ def describe(
     classes (asymmetry: their measured mirror asymmetry) look the same mirrored."""
     policy = policy_for(dataset, shape, shift, flip, **photo)
     parts = (
-        ([f"random resized crops of {policy.crop_scale:g} to 1 of the area"] if policy.crop_scale is not None else [])
+        ([f"random resized crops of {policy.crop_scale:g} to 1 of the area"] if policy.crop_scale else [])
         + ([f"random shifts of up to {policy.pad} px"] if policy.pad else ["no shifts"])
         + (["horizontal flips"] if policy.flip else ["no flips"])
         + ([f"colour jitter of {policy.jitter:g}"] if policy.jitter else [])
         + ([f"random erasing with chance {policy.erase:g}"] if policy.erase else [])
+        + ([f"mixup with Beta({policy.mixup:g}, {policy.mixup:g})"] if policy.mixup else [])
+        + ([f"cutmix with Beta({policy.cutmix:g}, {policy.cutmix:g})"] if policy.cutmix else [])
     )
     if policy.photo_ops:
         parts = [p for p in parts if p != "no shifts"]
+        if dataset == FOLDER:
+            return " and ".join(parts) + " (--crop-scale, --jitter, --erase, --mixup, --cutmix and --shift set them)"
     if dataset != FOLDER:
         parts = [p for p in parts if p not in ("no shifts", "no flips")]
         return " and ".join(parts) or "nothing to do (no shift, and this dataset is not flipped)"
@@ -187,7 +198,7 @@ def augment_batch(
     total = n if total is None else total
     places = slice(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
     out = shift_and_flip(images, policy, rng, position, total)
-    if policy.crop_scale is not None:
+    if policy.crop_scale:
         out = resized_crops(out, policy.crop_scale, rng, places, total)
     if policy.jitter:
         out = colour_jitter(out, policy.jitter, rng, places, total)
@@ -266,3 +277,52 @@ def erase_rectangles(
     for k in np.flatnonzero(erased):
         out[k, :, top[k] : top[k] + eh[k], left[k] : left[k] + ew[k]] = colours[k][:, None, None]
     return out
+
+
+def mix_pairs(
+    images: np.ndarray,
+    labels: np.ndarray,
+    policy: Augment,
+    rng: np.random.Generator,
+    position: int | np.ndarray = 0,
+    total: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Mixup and cutmix by pairs of places in the global batch: places 2j and 2j + 1 are partners (the sampler
+    shuffles, so the pairs are random), and each image is mixed with its partner's unmixed image by its own share
+    lam drawn from Beta(a, a): mixup blends the two, lam of its own; cutmix pastes the partner's rectangle of
+    1 - lam of the area at a random centre, and lam becomes the share of its own pixels left. With both, each image
+    takes one of the two with chance 1/2. position and total as in shift_and_flip; a worker's share must hold whole
+    pairs (config.global_batch asks for micro-batches of an even number of images).
+
+    Returns the mixed uint8 images and float32 label rows (own label, partner's label, lam), which the step's loss
+    reads as lam of its own label's loss and 1 - lam of the partner's (training/engine.image_losses).
+    """
+    n, _, h, w = images.shape
+    total = n if total is None else total
+    places = np.arange(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
+    partner = np.arange(n) ^ 1
+    if n % 2 or not np.array_equal(places[partner], places ^ 1):
+        raise ValueError(f"mixing needs whole pairs of places in a worker's share; got places {places.tolist()}")
+    if policy.mixup and policy.cutmix:
+        cut = rng.random(total)[places] < 0.5
+    else:
+        cut = np.full(n, bool(policy.cutmix))
+    blend = rng.beta(policy.mixup, policy.mixup, total)[places] if policy.mixup else np.ones(n)
+    paste = rng.beta(policy.cutmix, policy.cutmix, total)[places] if policy.cutmix else np.ones(n)
+    centre = rng.random((2, total))[:, places] * np.array([[h], [w]])
+    share = np.where(cut, paste, blend)
+    out = np.rint(
+        images.astype(np.float32) * blend[:, None, None, None].astype(np.float32)
+        + images[partner].astype(np.float32) * (1 - blend[:, None, None, None]).astype(np.float32)
+    ).astype(np.uint8)
+    side = np.sqrt(1 - paste)
+    for k in np.flatnonzero(cut):
+        (top, bottom), (left, right) = (
+            np.clip(np.rint([c - size * side[k] / 2, c + size * side[k] / 2]), 0, size).astype(int)
+            for c, size in zip(centre[:, k], (h, w))
+        )
+        out[k] = images[k]
+        out[k, :, top:bottom, left:right] = images[partner[k], :, top:bottom, left:right]
+        share[k] = 1 - (bottom - top) * (right - left) / (h * w)
+    rows = np.stack([labels, labels[partner], share], axis=1).astype(np.float32)
+    return out, rows

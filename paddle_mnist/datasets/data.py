@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paddle_mnist.config import DATASETS
+from paddle_mnist.config import DATASETS, PHOTO_OPERATIONS
 from paddle_mnist.datasets import augment, download, formats
 from paddle_mnist.datasets.datafiles import (
     CIFAR_ARCHIVE,
@@ -224,23 +224,26 @@ class AugmentPlan:
 
 
 def photo_ops(cfg) -> dict:
-    """cfg's photo augmentation (--crop-scale, --jitter, --erase) as augment.policy_for takes it."""
-    return {"crop_scale": cfg.crop_scale, "jitter": cfg.jitter, "erase": cfg.erase}
+    """cfg's photo augmentation (--crop-scale, --jitter, --erase, --mixup, --cutmix) as augment.policy_for takes it."""
+    return {key: getattr(cfg, key) for key in PHOTO_OPERATIONS}
 
 
 def batches(
     split: Split, ds: Dataset, index_batches: Iterable, plan: AugmentPlan | None = None, first: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(float32 images, int64 labels) per index batch; with a plan, batch number first + k is augmented."""
+    """(float32 images, int64 labels) per index batch; with a plan, batch number first + k is augmented, and where
+    it mixes pairs of images (--mixup, --cutmix) the labels are float32 rows (label, partner's label, share)."""
     for k, idx in enumerate(index_batches, start=first):
         idx = np.asarray(idx)
-        images = split.images[idx]
+        images, labels = split.images[idx], split.labels[idx]
         if plan is not None:
             rng = augment.batch_rng(plan.seed, plan.epoch, k)
             n = len(idx)
             places = worker_places(n, plan.rank, plan.world_size, plan.accum)
             images = augment.augment_batch(images, plan.policy, rng, places, plan.world_size * n)
-        yield normalise(images, ds.mean, ds.std), split.labels[idx]
+            if plan.policy.mixes:
+                images, labels = augment.mix_pairs(images, labels, plan.policy, rng, places, plan.world_size * n)
+        yield normalise(images, ds.mean, ds.std), labels
 
 
 class IndexSpace:

@@ -247,14 +247,13 @@ def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, tim
             with timer.phase("forward"):
                 with amp_context(cfg):
                     logits = model(x)
-                losses = F.cross_entropy(in_float32(logits), y, reduction="none", label_smoothing=cfg.label_smoothing)
-                if state.class_weights is not None:  # --class-weights: each image's loss times its class's weight
-                    losses = losses * paddle.gather(state.class_weights, y.flatten())
+                losses = image_losses(state, in_float32(logits), y, cfg)
                 loss_sum = losses.sum()
             with timer.phase("backward"):
                 (state.scaler.scale(loss_sum * weight) if state.scaler else loss_sum * weight).backward()
         loss_sums.append(loss_sum.detach())
-        corrects.append((logits.argmax(axis=1) == y).astype("int64").sum())
+        truth = y if y.ndim == 1 else y[:, 0].astype("int64")  # a mixed image's own label
+        corrects.append((logits.argmax(axis=1) == truth).astype("int64").sum())
     with timer.phase("backward"):
         if sums is not None:
             sums.gradients(model.parameters(), add)
@@ -263,6 +262,23 @@ def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, tim
     with timer.phase("optimizer"):
         norm = update(state, cfg)
     return StepFigures(losses.mean(), paddle.add_n(loss_sums), paddle.add_n(corrects), norm)
+
+
+def image_losses(state, logits: paddle.Tensor, y: paddle.Tensor, cfg: Config) -> paddle.Tensor:
+    """Each image's loss: the cross-entropy of its label (smoothed by --label-smoothing), times its class's weight
+    under --class-weights. y is the labels, or for images mixed with a partner (--mixup, --cutmix) rows of (label,
+    partner's label, share): share of the loss of its own label and 1 - share of the partner's."""
+
+    def of(labels: paddle.Tensor) -> paddle.Tensor:
+        losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=cfg.label_smoothing).flatten()
+        if state.class_weights is not None:
+            losses = losses * paddle.gather(state.class_weights, labels.flatten())
+        return losses
+
+    if y.ndim == 1:
+        return of(y)
+    share = y[:, 2]
+    return share * of(y[:, 0].astype("int64")) + (1 - share) * of(y[:, 1].astype("int64"))
 
 
 @contextlib.contextmanager
