@@ -512,7 +512,7 @@ def test_random_erasing_paints_one_rectangle_of_one_colour_over_about_its_share_
         assert 0.015 <= box[0].size / 1600 <= 0.3
 
 
-def test_mixup_blends_each_image_with_its_partner_by_its_share_and_labels_both():
+def test_mixup_blends_each_image_with_its_partner_by_its_weight_and_labels_both():
     images = np.random.default_rng(6).integers(0, 256, (64, 3, 16, 16), dtype=np.uint8)
     labels = np.arange(64) % 10
     policy = augment.Augment(pad=0, flip=False, mixup=0.4)
@@ -520,13 +520,13 @@ def test_mixup_blends_each_image_with_its_partner_by_its_share_and_labels_both()
     assert rows.dtype == np.float32 and rows.shape == (64, 3)
     partner = np.arange(64) ^ 1  # places 2j and 2j + 1
     np.testing.assert_array_equal(rows[:, :2], np.stack([labels, labels[partner]], axis=1))
-    share = rows[:, 2][:, None, None, None]
-    expected = share * images + (1 - share) * images[partner].astype(np.float64)
+    lam = rows[:, 2][:, None, None, None]
+    expected = lam * images + (1 - lam) * images[partner].astype(np.float64)
     assert np.abs(out - np.rint(expected)).max() <= 1
     assert 0 < rows[:, 2].min() and rows[:, 2].max() < 1 and rows[:, 2].std() > 0.2  # Beta(0.4, 0.4): near 0 or 1
 
 
-def test_cutmix_pastes_one_rectangle_of_the_partner_and_the_share_is_the_own_pixels_left():
+def test_cutmix_pastes_one_rectangle_of_the_partner_and_the_weight_is_the_part_of_its_own_pixels_left():
     images = np.stack([np.full((3, 20, 24), k, np.uint8) for k in range(40)])  # image k: every pixel k
     policy = augment.Augment(pad=0, flip=False, cutmix=1.0)
     out, rows = augment.mix_pairs(images, np.arange(40), policy, np.random.default_rng(8))

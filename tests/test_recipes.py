@@ -197,17 +197,17 @@ def test_a_step_with_balanced_class_weights_sums_each_images_loss_times_its_clas
     assert float(got) != pytest.approx(float(losses.sum()), rel=1e-2)  # the weights changed the sum
 
 
-def test_a_step_on_mixed_images_weighs_each_images_two_labels_losses_by_its_share():
-    """--mixup / --cutmix rows (label, partner's label, share): share of the first label's cross-entropy and
-    1 - share of the second's, times each label's class weight, summed; the accuracy counts the first label."""
+def test_a_step_on_mixed_images_weighs_each_images_two_labels_losses_by_its_weight():
+    """--mixup / --cutmix rows (label, partner's label, lam): lam times the first label's cross-entropy plus
+    1 - lam times the second's, each times its label's class weight, summed; the accuracy counts the first label."""
     from paddle_mnist.datasets.transfer import Feed
     from paddle_mnist.training.state import TrainState
 
     rng = np.random.RandomState(1)
     images = rng.randn(16, 1, 28, 28).astype("float32")
     own, other = np.array([0] * 10 + [1] * 4 + [2] * 2), rng.randint(0, 3, 16)
-    share = rng.uniform(0, 1, 16).astype("float32")
-    rows = np.stack([own, other, share], axis=1).astype("float32")
+    lam = rng.uniform(0, 1, 16).astype("float32")
+    rows = np.stack([own, other, lam], axis=1).astype("float32")
     cfg = config.Config(model="mnist_cnn", class_weights="balanced", batch_size=16, epochs=1, label_smoothing=0.1)
     state = TrainState.create(cfg, 3, (1, 28, 28), engine.ONE_PROCESS, 1, train_labels=own)
     probe = build_model("mnist_cnn", 3, (1, 28, 28))
@@ -218,7 +218,7 @@ def test_a_step_on_mixed_images_weighs_each_images_two_labels_losses_by_its_shar
     def ce(labels):
         return F.cross_entropy(logits, paddle.to_tensor(labels), reduction="none", label_smoothing=0.1).numpy().ravel()
 
-    expected = float((share * ce(own) * weights[own] + (1 - share) * ce(other) * weights[other]).sum())
+    expected = float((lam * ce(own) * weights[own] + (1 - lam) * ce(other) * weights[other]).sum())
     right = int((logits.numpy().argmax(axis=1) == own).sum())
     figures = engine.train_step(state, images, rows, cfg, Feed("cpu"), engine.ONE_PROCESS)
     assert float(figures.loss_sum) == pytest.approx(expected, rel=1e-5) and int(figures.correct) == right

@@ -288,21 +288,21 @@ def mix_pairs(
     total: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Mixup and cutmix by pairs of places in the global batch: places 2j and 2j + 1 are partners (the sampler
-    shuffles, so the pairs are random), and each image is mixed with its partner's unmixed image by its own share
-    lam drawn from Beta(a, a): mixup blends the two, lam of its own; cutmix pastes the partner's rectangle of
-    1 - lam of the area at a random centre, and lam becomes the share of its own pixels left. With both, each image
-    takes one of the two with chance 1/2. position and total as in shift_and_flip; a worker's share must hold whole
-    pairs (config.global_batch asks for micro-batches of an even number of images).
+    shuffles, so the pairs are random), and each image is mixed with its partner's unmixed image by its own weight
+    lam drawn from Beta(a, a): mixup blends the two, lam times its own; cutmix pastes the partner's rectangle of
+    1 - lam of the area at a random centre, and lam becomes the part of its own pixels left. With both, each image
+    takes one of the two with chance 1/2. position and total as in shift_and_flip; a worker's images must form
+    whole pairs (config.global_batch asks for micro-batches of an even number of images).
 
     Returns the mixed uint8 images and float32 label rows (own label, partner's label, lam), which the step's loss
-    reads as lam of its own label's loss and 1 - lam of the partner's (training/engine.image_losses).
+    reads as lam times its own label's loss plus 1 - lam times the partner's (training/engine.image_losses).
     """
     n, _, h, w = images.shape
     total = n if total is None else total
     places = np.arange(position, position + n) if np.ndim(position) == 0 else np.asarray(position)
     partner = np.arange(n) ^ 1
     if n % 2 or not np.array_equal(places[partner], places ^ 1):
-        raise ValueError(f"mixing needs whole pairs of places in a worker's share; got places {places.tolist()}")
+        raise ValueError(f"mixing needs whole pairs of places among a worker's images; got places {places.tolist()}")
     if policy.mixup and policy.cutmix:
         cut = rng.random(total)[places] < 0.5
     else:
@@ -310,7 +310,7 @@ def mix_pairs(
     blend = rng.beta(policy.mixup, policy.mixup, total)[places] if policy.mixup else np.ones(n)
     paste = rng.beta(policy.cutmix, policy.cutmix, total)[places] if policy.cutmix else np.ones(n)
     centre = rng.random((2, total))[:, places] * np.array([[h], [w]])
-    share = np.where(cut, paste, blend)
+    lam = np.where(cut, paste, blend)
     out = np.rint(
         images.astype(np.float32) * blend[:, None, None, None].astype(np.float32)
         + images[partner].astype(np.float32) * (1 - blend[:, None, None, None]).astype(np.float32)
@@ -323,6 +323,6 @@ def mix_pairs(
         )
         out[k] = images[k]
         out[k, :, top:bottom, left:right] = images[partner[k], :, top:bottom, left:right]
-        share[k] = 1 - (bottom - top) * (right - left) / (h * w)
-    rows = np.stack([labels, labels[partner], share], axis=1).astype(np.float32)
+        lam[k] = 1 - (bottom - top) * (right - left) / (h * w)
+    rows = np.stack([labels, labels[partner], lam], axis=1).astype(np.float32)
     return out, rows

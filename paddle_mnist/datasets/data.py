@@ -232,7 +232,7 @@ def batches(
     split: Split, ds: Dataset, index_batches: Iterable, plan: AugmentPlan | None = None, first: int = 0
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """(float32 images, int64 labels) per index batch; with a plan, batch number first + k is augmented, and where
-    it mixes pairs of images (--mixup, --cutmix) the labels are float32 rows (label, partner's label, share)."""
+    it mixes pairs of images (--mixup, --cutmix) the labels are float32 rows (label, partner's label, lam)."""
     for k, idx in enumerate(index_batches, start=first):
         idx = np.asarray(idx)
         images, labels = split.images[idx], split.labels[idx]

@@ -267,7 +267,7 @@ def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, tim
 def image_losses(state, logits: paddle.Tensor, y: paddle.Tensor, cfg: Config) -> paddle.Tensor:
     """Each image's loss: the cross-entropy of its label (smoothed by --label-smoothing), times its class's weight
     under --class-weights. y is the labels, or for images mixed with a partner (--mixup, --cutmix) rows of (label,
-    partner's label, share): share of the loss of its own label and 1 - share of the partner's."""
+    partner's label, lam): lam times its own label's loss plus 1 - lam times the partner's."""
 
     def of(labels: paddle.Tensor) -> paddle.Tensor:
         losses = F.cross_entropy(logits, labels, reduction="none", label_smoothing=cfg.label_smoothing).flatten()
@@ -277,8 +277,8 @@ def image_losses(state, logits: paddle.Tensor, y: paddle.Tensor, cfg: Config) ->
 
     if y.ndim == 1:
         return of(y)
-    share = y[:, 2]
-    return share * of(y[:, 0].astype("int64")) + (1 - share) * of(y[:, 1].astype("int64"))
+    lam = y[:, 2]
+    return lam * of(y[:, 0].astype("int64")) + (1 - lam) * of(y[:, 1].astype("int64"))
 
 
 @contextlib.contextmanager
