@@ -249,14 +249,20 @@ def colour_jitter(images: np.ndarray, strength: float, rng: np.random.Generator,
     low, high = max(0.0, 1 - strength), 1 + strength
     b, c, s = (_draw(rng, low, high, total, places).astype(np.float32)[:, None, None, None] for _ in range(3))
     x = images.astype(np.float32)
-    grey = np.tensordot(GREY, x, axes=([0], [1]))[:, None] if x.shape[1] == 3 else x  # (N, 1, H, W)
-    mean = grey.mean(axis=(1, 2, 3), dtype=np.float32, keepdims=True)
-    if x.shape[1] != 3:
-        s = np.ones_like(s)  # no saturation in grey
+    if x.shape[1] == 3:
+        grey = x[:, 0] * GREY[0]  # (N, H, W), summed a channel at a time: no transposed copy
+        grey += x[:, 1] * GREY[1]
+        grey += x[:, 2] * GREY[2]
+    else:
+        grey, s = x[:, 0].copy(), np.ones_like(s)  # no saturation in grey
+    mean = grey.mean(axis=(1, 2), dtype=np.float32)[:, None, None, None]
     # the three steps in one: b x, then about its mean grey b m times c, then about each pixel's grey times s
     x *= s * c * b
-    x += grey * (c * b * (1 - s)) + b * mean * (1 - c)
-    return np.rint(np.clip(x, 0, 255, out=x)).astype(np.uint8)
+    grey *= (c * b * (1 - s))[:, 0]
+    x += grey[:, None]
+    x += b * mean * (1 - c)
+    np.clip(x, 0, 255, out=x)
+    return np.rint(x, out=x).astype(np.uint8)
 
 
 def erase_rectangles(
