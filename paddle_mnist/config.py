@@ -18,7 +18,8 @@ IMAGE_SHAPES = {"fashion-mnist": (1, 28, 28), "mnist": (1, 28, 28), "mnist-json"
 CONFIG_FILE = "config.json"  # the run's Config, in its output directory
 AUGMENTED_BY_DEFAULT = ("cifar10", "mnist", "mnist-json")  # shifts lift MNIST past 99.3% (docs/results.md)
 # --augment photo: the photo operations in place of shifts (docs/datasets.md, "Augmentation for photos")
-AUGMENT_PRESETS = {"photo": {"crop_scale": 0.35, "jitter": 0.4, "erase": 0.25, "shift": 0}}
+# and twice the steps: on a small folder they cost accuracy over 500 steps and paid over 1,000
+AUGMENT_PRESETS = {"photo": {"crop_scale": 0.35, "jitter": 0.4, "erase": 0.25, "shift": 0, "min_steps": 1000}}
 PHOTO_OPERATIONS = ("crop_scale", "jitter", "erase", "mixup", "cutmix")  # each 0 when off
 LR_SCHEDULES = ("poly", "cosine", "constant")
 OPTIMIZERS = ("sgd", "adamw")
@@ -314,15 +315,17 @@ class _AugmentAction(argparse.Action):
 
 
 def _fill_augment(ns: argparse.Namespace) -> None:
-    """--augment PRESET turns augmentation on with the preset's operations, each where its flag is not given (on
-    a folder it flips too: photos are mirror-symmetric); the photo operations not given are off."""
+    """--augment PRESET turns augmentation on with the preset's operations and --min-steps, each where its flag is
+    not given (on a folder it flips too: photos are mirror-symmetric); the photo operations not given are off."""
     preset = AUGMENT_PRESETS.get(ns.augment) if isinstance(ns.augment, str) else None
     if preset is not None:
         filled = {key: value for key, value in preset.items() if getattr(ns, key) is None}
         ns.__dict__.update(filled, augment=True, flip=ns.flip or ns.dataset == FOLDER)
     for key in PHOTO_OPERATIONS:  # 0: off; args.yaml records the values, the preset's included
         setattr(ns, key, getattr(ns, key) or 0.0)
-    ns.unset = tuple(key for key in ns.unset if key not in (*PHOTO_OPERATIONS, "shift") or getattr(ns, key) is None)
+    ns.min_steps = MIN_STEPS if ns.min_steps is None else ns.min_steps
+    filled = (*PHOTO_OPERATIONS, "shift", "min_steps")
+    ns.unset = tuple(key for key in ns.unset if key not in filled or getattr(ns, key) is None)
     given = [f"--{key.replace('_', '-')}" for key in PHOTO_OPERATIONS if getattr(ns, key)]
     if given and not ns.augment:
         raise ConfigError(
@@ -352,11 +355,12 @@ def _length(p: argparse.ArgumentParser, d: Config) -> None:
         "epochs, logged (poly: the rate jumps to the new plan's and decays to 0 at the new end), e.g. to extend a "
         "finished run",
     )
-    _add_count(
-        p,
+    p.add_argument(
         "--min-steps",
-        "without --epochs: when the recipe's epochs would train fewer optimizer steps than this (a small training "
-        "split), train as many epochs as it takes, the warmup stretched alike (0: the recipe's epochs as they are)",
+        type=_non_negative("--min-steps"),
+        help="without --epochs: when the recipe's epochs would train fewer optimizer steps than this (a small training "
+        "split), train as many epochs as it takes, the warmup stretched alike, 0 for the recipe's epochs as they are "
+        f"(default: {MIN_STEPS}, {AUGMENT_PRESETS['photo']['min_steps']} with --augment photo)",
     )
     _add_count(
         p,

@@ -103,7 +103,7 @@ def test_help_says_each_default_in_words_and_fits_80_columns(monkeypatch):
     assert {a.dest for a in worked_out} >= set(config.OPEN_DEFAULTS)
     for action in worked_out:
         assert "(default: " in action.help, action.option_strings
-    assert "(default: 500)" in flat and "(default: fashion-mnist)" in flat  # the others keep argparse's
+    assert "(default: 1000)" in flat and "(default: fashion-mnist)" in flat  # the others keep argparse's
     assert max(len(line) for line in text.splitlines()) <= 80, [line for line in text.splitlines() if len(line) > 80]
 
 
@@ -129,11 +129,12 @@ def test_augment_photo_fills_in_its_operations_where_their_flags_are_not_given(t
     folder = ["--dataset", "folder", "--data-dir", str(tmp_path)]
     cfg = config.parse_args([*folder, "--augment", "photo", "--jitter", "0.1"])
     assert (cfg.augment, cfg.crop_scale, cfg.jitter, cfg.erase, cfg.shift, cfg.flip) == (True, 0.35, 0.1, 0.25, 0, True)
-    assert {"crop_scale", "jitter", "erase", "shift"}.isdisjoint(cfg.unset)  # args.yaml records the preset's values
+    assert {"crop_scale", "jitter", "erase", "shift", "min_steps"}.isdisjoint(cfg.unset)  # args.yaml records them
+    assert cfg.min_steps == 1000 and config.parse_args(["--augment", "photo", "--min-steps", "600"]).min_steps == 600
     cifar = config.parse_args(["--dataset", "cifar10", "--augment", "photo", "--shift", "2"])
     assert (cifar.crop_scale, cifar.shift, cifar.flip) == (0.35, 2, False)  # --flip: a folder's
     plain = config.parse_args(["--dataset", "cifar10", "--augment"])
-    assert (plain.crop_scale, plain.jitter, plain.erase, plain.shift) == (0.0, 0.0, 0.0, None)
+    assert (plain.crop_scale, plain.jitter, plain.erase, plain.shift, plain.min_steps) == (0.0, 0.0, 0.0, None, 500)
     assert config.parse_args(["--augment", "photo", "--no-augment"]).augment is False
     for argv, message in [
         (["--jitter", "0.2"], "--jitter is an operation of --augment: add --augment (or --augment photo), or drop it"),
