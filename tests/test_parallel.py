@@ -213,7 +213,7 @@ def test_distributed_evaluation_counts_each_image_once(one_and_two, dataset):
         "mnist_cnn_bn",
         "mnist_cnn_bn_fc --ema 0.9",
         "mnist_cnn_bn --lookahead",
-        "mnist_cnn_bn_fc --opt adamw --sched cosine --warmup-epochs 1",
+        "mnist_cnn_bn_fc --opt adamw --sched cosine --warmup-epochs 1 --augment photo --mixup 0.2 --cutmix 1",
     ],
 )
 def test_resume_mid_epoch_equals_an_uninterrupted_run(dataset, tmp_path, model):
@@ -221,7 +221,8 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(dataset, tmp_path, model):
     # every checkpoint, so all ranks restart from the state they had at that step; with --ema the moving average
     # (what model.pdparams then holds) is checkpointed too, as is --lookahead's slow copy (steps 5 and 10 pulled
     # the weights to it before the stop at 12; 15 and 20 pull them after it, and the last step, 24, ends on it);
-    # AdamW's moments and the cosine's step are checkpointed
+    # AdamW's moments and the cosine's step are checkpointed; photo augmentation's crops, colours, erasing and
+    # mixed pairs are drawn from the batch's coordinates alone
     args = [*SMALL, "--data-dir", str(dataset), "--batch-size", "64", "--epochs", "3", "--model", *model.split()]
     args += ["--save-every-steps", "4"]
     full = run_launch([*args, "--output-dir", str(tmp_path / "full")], cwd=tmp_path, log_dir=tmp_path / "l1")
