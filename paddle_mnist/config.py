@@ -290,7 +290,7 @@ def _data(p: argparse.ArgumentParser, d: Config) -> None:
         f"one random colour (default: {photo['erase']} with --augment photo, else 0)",
     )
     mixing = (
-        "by a share drawn from Beta(A, A), the loss mixed alike (default: 0, none; with both, each image takes one)"
+        "by a weight drawn from Beta(A, A), the loss mixed alike (default: 0, none; with both, each image takes one)"
     )
     p.add_argument(
         "--mixup", type=float, metavar="A", help=f"with --augment: each image blended with its partner {mixing}"

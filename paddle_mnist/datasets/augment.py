@@ -19,11 +19,12 @@ class Augment:
     crop_scale: float = 0.0  # random resized crop: a share of the area in [crop_scale, 1], resized back (0: none)
     jitter: float = 0.0  # brightness, contrast and saturation each times a factor in [1 - jitter, 1 + jitter]
     erase: float = 0.0  # the chance that an image has a random rectangle painted over in one random colour
-    mixup: float = 0.0  # blend each image with its partner in the global batch by a share drawn from Beta(a, a)
-    cutmix: float = 0.0  # paste a rectangle of its partner into each image, its area's share from Beta(a, a)
+    mixup: float = 0.0  # blend each image with its partner in the global batch by a weight drawn from Beta(a, a)
+    cutmix: float = 0.0  # paste a rectangle of its partner into each image, 1 - a weight from Beta(a, a) of its area
 
     @property
     def photo_ops(self) -> bool:
+        """Whether any of the photo operations is on (--augment photo's, or mixing)."""
         return bool(self.crop_scale or self.jitter or self.erase) or self.mixes
 
     @property
@@ -73,8 +74,8 @@ def policy_for(
 ) -> Augment:
     """The policy a run's training batches get: a built-in dataset's own (POLICIES); a folder's shifts scaled to
     its images' (channels, height, width), and flips where flip (--flip) says its classes are mirror-symmetric (a
-    built-in dataset flips as its policy says). --shift (shift) replaces the shift; photo: crop_scale, jitter and
-    erase (--crop-scale, --jitter, --erase) as given."""
+    built-in dataset flips as its policy says). --shift (shift) replaces the shift; photo: the photo operations
+    (crop_scale, jitter, erase, mixup, cutmix: config.PHOTO_OPERATIONS) as given."""
     if dataset == FOLDER:
         _, height, width = shape
         base = Augment(pad=max(1, min(height, width) // FOLDER_SHARE), flip=flip)
