@@ -28,6 +28,10 @@ def test_a_config_file_sets_options_and_a_flag_on_the_command_line_wins(tmp_path
     assert (cfg.batch_size, cfg.model, cfg.lr) == (128, "mnist_cnn", 0.05)  # null: the recipe's rate
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     assert configure(["--config", str(tmp_path / "empty.yaml")]) == parse_args([])
+    (tmp_path / "photo.yaml").write_text("augment: photo\ndataset: folder\ndata_dir: photos\n")
+    photo = ["--dataset", "folder", "--data-dir", "photos", "--augment", "photo"]
+    assert configure(["--config", str(tmp_path / "photo.yaml")]) == parse_args(photo)  # a preset in a file
+    assert configure(["--config", str(tmp_path / "photo.yaml"), "--no-augment"]).augment is False
 
 
 @pytest.mark.parametrize(
