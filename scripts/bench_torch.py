@@ -20,6 +20,10 @@ machine falls on all of them:
               workers sum through shared memory (runtime/local_sum.py)
     trainer-gloo  the same with --cpu-sums gloo: Paddle's gloo all-reduce carries the sums (cells of 2 workers
               or more)
+    trainer-f32   the same with the step's sums in float32 (PADDLE_MNIST_SUMS=float32): what exactness costs, for
+              the models whose sums are float64 (mnist_cnn, cifar_cnn; elsewhere it equals trainer)
+    trainer-blocked  the same with every convolution's maps in the layout oneDNN chooses
+              (PADDLE_MNIST_CONV_MAPS=blocked): what csrc/onednn_conv.cc's NHWC maps gain
     alone     the limit without a collective: as many single-process trainers as the cell has workers, each with
               the cell's threads and 64 images a step, started together; their rates summed (cells of 2 workers
               or more). trainer/alone is the job's efficiency; trainer/slowest compares it with the workers' count
@@ -70,9 +74,14 @@ MODELS = {  # --models by --dataset
     "fashion-mnist": "mnist_cnn,mnist_cnn_bn_fc,minigooglenet",
     "folder": "cifar_cnn,mnist_cnn_bn_fc,minigooglenet",
 }
-CONTENDERS = ("trainer", "trainer-gloo", "alone", "torch", "torch-cl")
+CONTENDERS = ("trainer", "trainer-gloo", "trainer-f32", "trainer-blocked", "alone", "torch", "torch-cl")
+TRAINER_ENV = {  # each trainer-X contender: the environment its runs add
+    "trainer-f32": {"PADDLE_MNIST_SUMS": "float32"},
+    "trainer-blocked": {"PADDLE_MNIST_CONV_MAPS": "blocked"},
+}
 TORCH_NAMES = {"torch": "torch", "torch-cl": "torch channels_last"}
 NAMES = {"alone": "independent trainers (sum)", "trainer-gloo": "the trainer over gloo", **TORCH_NAMES}
+NAMES |= {"trainer-f32": "the trainer, float32 sums", "trainer-blocked": "the trainer, blocked maps"}
 
 
 def processor() -> str:
@@ -409,7 +418,11 @@ def main() -> int:
     p.add_argument(
         "--models", help="comma-separated (default: " + "; ".join(f"{k}: {v}" for k, v in MODELS.items()) + ")"
     )
-    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of " + ", ".join(CONTENDERS))
+    p.add_argument(
+        "--contenders",
+        default="trainer,trainer-gloo,alone,torch,torch-cl",
+        help="comma-separated, of " + ", ".join(CONTENDERS),
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--steps",
@@ -459,9 +472,10 @@ def main() -> int:
                 got, each = {name: [] for name in names}, []
                 for r in range(args.rounds):
                     for name in names if r % 2 == 0 else names[::-1]:
-                        if name in ("trainer", "trainer-gloo"):
+                        if name.startswith("trainer"):
                             extra = ("--cpu-sums", "gloo") if name == "trainer-gloo" else ()
-                            rates = run_trainer(model, workers, threads, plan, data, work, env, extra)
+                            run_env = {**env, **TRAINER_ENV.get(name, {})}
+                            rates = run_trainer(model, workers, threads, plan, data, work, run_env, extra)
                         elif name == "alone":
                             each.append(run_alone(model, workers, threads, plan, data, work, env))
                             rates = [sum(each[-1])]

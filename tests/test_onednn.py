@@ -714,3 +714,38 @@ def test_evaluation_keeps_no_plans_and_training_keeps_a_bounded_number(op):
     for batch in range(1, capacity + 11):  # shapes no other test uses
         op.onednn_conv2d(paddle.randn([batch, 1, 5, 5]), w, 1, 0, False).sum().backward()
         assert fastpath.kept_plans() <= fastpath.PLAN_CACHES * capacity
+
+
+MAPS_CODE = (
+    "import numpy as np, paddle, paddle.nn.functional as F; from paddle_mnist.ops import fastpath, onednn as o; "
+    "print(o.activate(o.prepare('onednn'), 'cpu')); paddle.seed(0); "
+    "x, w = paddle.randn([8, 20, 14, 14]), paddle.randn([20, 20, 5, 5]); x.stop_gradient = w.stop_gradient = False; "
+    "y = fastpath.conv2d(x, w, 1, 2); y.square().sum().backward(); "
+    "xr, wr = x.detach(), w.detach(); xr.stop_gradient = wr.stop_gradient = False; "
+    "yr = F.conv2d(xr, wr, padding=2); yr.square().sum().backward(); "
+    "close = lambda a, b: np.abs(a.numpy() - b.numpy()).max() <= 1e-5 * np.abs(b.numpy()).max(); "
+    "print('same as F.conv2d:', close(y, yr) and close(x.grad, xr.grad) and close(w.grad, wr.grad))"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa, maps, layout", [("", "", None), ("", "blocked", None), ("AVX2", "", "aBcd8b")])
+def test_maps_whose_channels_blocking_would_pad_to_twice_the_work_go_nhwc(op, isa, maps, layout):
+    """A 20-to-20-channel convolution (mnist_cnn's second): blocked by 16 channels (oneDNN's choice with AVX-512) it
+    would do 2.56 times its multiply-adds, so its maps go NHWC (acdb) in all three passes; blocked by 8 (AVX2, here
+    by ONEDNN_MAX_CPU_ISA) 1.44 times, and they stay blocked; PADDLE_MNIST_CONV_MAPS=blocked keeps oneDNN's choice.
+    Either way the output and both gradients are F.conv2d's. Read from oneDNN's own log of what ran."""
+    env = launch_env() | {"ONEDNN_VERBOSE": "1"}
+    env |= {"ONEDNN_MAX_CPU_ISA": isa} if isa else {}
+    env |= {"PADDLE_MNIST_CONV_MAPS": maps} if maps else {}
+    proc = subprocess.run([sys.executable, "-c", MAPS_CODE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert "same as F.conv2d: True" in proc.stdout, proc.stdout[-2000:]
+    ran = [line for line in proc.stdout.splitlines() if ",exec," in line and "ic20oc20" in line]
+    passes = {p for p in ("forward_training", "backward_data", "backward_weights") for line in ran if p in line}
+    assert len(passes) == 3, ran
+    if layout is None:  # this processor's own block: NHWC where it is 16, unless told to keep oneDNN's choice
+        blocked = "aBcd16b" if fastpath.BLOCK == 16 else "aBcd8b"
+        layout = "acdb" if fastpath.BLOCK == 16 and not maps else blocked
+    for line in ran:
+        assert re.search(rf"src[:_]f32:a?p?:blocked:{layout}:", line), (layout, line)

@@ -143,7 +143,10 @@ class _ChannelBias(PyLayer):
 
     @staticmethod
     def backward(ctx, grad_out):
-        return grad_out, hand_over(ctx.bias, _wide(grad_out).sum(axis=[0, 2, 3]))
+        # each image's per-channel sum in float64 (csrc/batch_norm.cc: one order whatever the batch), then over the
+        # images: a float64 copy of the whole map and Paddle's sum over three axes took 1.9 ms of mnist_cnn's step
+        c = grad_out.shape[1]
+        return grad_out, hand_over(ctx.bias, fastpath.plane_sums(grad_out)[:, :c].sum(axis=0))
 
 
 class _Conv2D(PyLayer):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import numpy as np
 import paddle
@@ -116,8 +117,10 @@ class TrainState:
         self.lookahead = Lookahead(model) if cfg.lookahead else None
         self.class_weights: paddle.Tensor | None = None  # each class's weight in the training loss (float32)
         # a step's gradient summed in float64 (network/exact.py): where oneDNN's convolutions run in float32 and
-        # every trained layer can hand its gradient over in float64
-        self.exact = onednn.active() and cfg.amp == "off" and sums_exactly(model)
+        # every trained layer can hand its gradient over in float64; PADDLE_MNIST_SUMS=float32 turns it off, to
+        # price it (scripts/bench_torch's trainer-f32 contender)
+        wide = os.environ.get("PADDLE_MNIST_SUMS") != "float32"
+        self.exact = wide and onednn.active() and cfg.amp == "off" and sums_exactly(model)
 
     @classmethod
     def create(

@@ -131,6 +131,15 @@ class PlanCache {
  public:
   static constexpr size_t kCapacity = 64;
 
+  // The plan kept for key, else null.
+  std::shared_ptr<const Plan> find(const Key& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = index_.find(key);
+    if (found == index_.end()) return nullptr;
+    order_.splice(order_.begin(), order_, found->second);
+    return found->second->second;
+  }
+
   // The plan kept for key, else one made by make(): kept where keep is true, else the caller's alone.
   template <typename Make>
   std::shared_ptr<const Plan> find_or_make(const Key& key, bool keep, Make make) {
