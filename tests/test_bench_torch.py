@@ -56,3 +56,34 @@ def test_one_process_on_more_than_two_threads_is_told_the_workers_command(tmp_pa
     assert "workers of one thread each" not in said[2]
     line = next(x for x in said[4].splitlines() if "workers of one thread each" in x)
     assert "--nproc_per_node 4 train.py ... --batch-size 256" in line and "3.6 times as fast" in line
+
+
+def test_the_float32_contender_turns_the_float64_sums_off_and_nothing_else(tmp_path):
+    """trainer-f32 prices exactness: its environment takes mnist_cnn off the float64 sums (the start-up line that
+    says them is gone), where the plain trainer has them; both train, on oneDNN's operators."""
+    args = ["--model", "mnist_cnn", "--train-limit", "640", "--max-steps", "4", "--eval-limit", "64", "--no-augment"]
+    logs = {}
+    for name in ("trainer", "trainer-f32"):
+        proc = run_single(
+            [*args, "--output-dir", str(tmp_path / name)], tmp_path, env=bench_torch.TRAINER_ENV.get(name)
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        logs[name] = proc.stdout
+    assert "summed in float64" in logs["trainer"] and "summed in float64" not in logs["trainer-f32"]
+    assert all("convolutions: oneDNN" in log for log in logs.values())
+
+
+def test_op_table_puts_every_operator_in_a_row_and_finds_the_unrecorded_forward_passes(tmp_path):
+    """scripts/op_table's trainer side on mnist_cnn: the convolutions' backward passes (the float64 path's PyLayer),
+    the forward passes paddle.profiler does not record (the custom operators), a rate; and names to rows."""
+    from scripts import op_table
+
+    side = op_table.trainer_part("mnist_cnn", 1, 5, ["--train-limit", "3200"], launch_env())
+    rows = {op_table.row_of(name, False) for name in side["ops"]}
+    assert {"convolution backward", "max-pool backward", op_table.FORWARD_UNRECORDED} <= rows, side["ops"]
+    assert side["ops"][op_table.FORWARD_UNRECORDED] > 0 and side["rate"] > 0 and side["exact"]
+    assert (
+        op_table.row_of("ReluGradNode", False) == "ReLU backward" and op_table.row_of("relu", False) == "ReLU forward"
+    )
+    assert op_table.row_of("aten::native_batch_norm_backward", True) == "batch norm backward"
+    assert op_table.row_of("aten::add_", True) == "optimizer" and op_table.row_of("aten::add", True).startswith("bias")
