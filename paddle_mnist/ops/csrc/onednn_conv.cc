@@ -180,8 +180,9 @@ struct WeightsByImage {
 
   static dnnl::convolution_forward::primitive_desc hint_for(const Geometry& g) {
     return dnnl::convolution_forward::primitive_desc(cpu_engine(), dnnl::prop_kind::forward_training,
-                                                     dnnl::algorithm::convolution_direct, maps(g, g.src), any(g.weights),
-                                                     maps(g, g.dst), g.strides, g.pad_left, g.pad_right);
+                                                     dnnl::algorithm::convolution_direct, maps(g, g.src),
+                                                     any(g.weights), maps(g, g.dst), g.strides, g.pad_left,
+                                                     g.pad_right);
   }
 
   // The image primitive with its input and the output's gradient in layouts that hold a batch image after image:
@@ -244,7 +245,8 @@ struct Plan {
       : geometry(g),
         fwd_pd(g.bias ? dnnl::convolution_forward::primitive_desc(
                             cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
-                            maps(g, g.src), any(g.weights), bias_desc(g), maps(g, g.dst), g.strides, g.pad_left, g.pad_right)
+                            maps(g, g.src), any(g.weights), bias_desc(g), maps(g, g.dst), g.strides, g.pad_left,
+                            g.pad_right)
                       : dnnl::convolution_forward::primitive_desc(
                             cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
                             maps(g, g.src), any(g.weights), maps(g, g.dst), g.strides, g.pad_left, g.pad_right)),
@@ -290,7 +292,23 @@ memory::format_tag maps_layout(const Geometry& g) {
   const int64_t b = channel_block(chosen.dst_desc(), g.dst);
   if (b == 0) return memory::format_tag::any;
   const int64_t padded = (in + b - 1) / b * b * ((out + b - 1) / b * b);
-  return padded >= 2 * in * out ? memory::format_tag::nhwc : memory::format_tag::any;
+  if (padded < 2 * in * out) return memory::format_tag::any;
+  // NHWC only where its forward and backward-data kernels are direct ones (an older oneDNN may offer only im2col
+  // and a GEMM, or its reference loops, there)
+  const auto nhwc = [](const Dims& dims) {
+    return memory::desc(dims, memory::data_type::f32, memory::format_tag::nhwc);
+  };
+  try {
+    const dnnl::convolution_forward::primitive_desc fwd(
+        cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, nhwc(g.src),
+        any(g.weights), nhwc(g.dst), g.strides, g.pad_left, g.pad_right);
+    const dnnl::convolution_backward_data::primitive_desc data(cpu_engine(), dnnl::algorithm::convolution_direct,
+                                                               nhwc(g.src), any(g.weights), nhwc(g.dst), g.strides,
+                                                               g.pad_left, g.pad_right, fwd);
+    if (paddle_mnist::direct(fwd) && paddle_mnist::direct(data)) return memory::format_tag::nhwc;
+  } catch (const dnnl::error&) {
+  }
+  return memory::format_tag::any;
 }
 
 // The plan of a geometry: the one kept, else a new one, kept where it is made for a backward pass. A forward pass
