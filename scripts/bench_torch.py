@@ -24,6 +24,8 @@ machine falls on all of them:
               the models whose sums are float64 (mnist_cnn, cifar_cnn; elsewhere it equals trainer)
     trainer-blocked  the same with every convolution's maps in the layout oneDNN chooses
               (PADDLE_MNIST_CONV_MAPS=blocked): what csrc/onednn_conv.cc's NHWC maps gain
+    trainer-nchw  the same with cifar_cnn's maps held NCHW between its layers (PADDLE_MNIST_CONV_MAPS=nchw):
+              what keeping them blocked gains (elsewhere it equals trainer)
     alone     the limit without a collective: as many single-process trainers as the cell has workers, each with
               the cell's threads and 64 images a step, started together; their rates summed (cells of 2 workers
               or more). trainer/alone is the job's efficiency; trainer/slowest compares it with the workers' count
@@ -74,14 +76,16 @@ MODELS = {  # --models by --dataset
     "fashion-mnist": "mnist_cnn,mnist_cnn_bn_fc,minigooglenet",
     "folder": "cifar_cnn,mnist_cnn_bn_fc,minigooglenet",
 }
-CONTENDERS = ("trainer", "trainer-gloo", "trainer-f32", "trainer-blocked", "alone", "torch", "torch-cl")
+CONTENDERS = ("trainer", "trainer-gloo", "trainer-f32", "trainer-blocked", "trainer-nchw", "alone", "torch", "torch-cl")
 TRAINER_ENV = {  # each trainer-X contender: the environment its runs add
     "trainer-f32": {"PADDLE_MNIST_SUMS": "float32"},
     "trainer-blocked": {"PADDLE_MNIST_CONV_MAPS": "blocked"},
+    "trainer-nchw": {"PADDLE_MNIST_CONV_MAPS": "nchw"},
 }
 TORCH_NAMES = {"torch": "torch", "torch-cl": "torch channels_last"}
 NAMES = {"alone": "independent trainers (sum)", "trainer-gloo": "the trainer over gloo", **TORCH_NAMES}
 NAMES |= {"trainer-f32": "the trainer, float32 sums", "trainer-blocked": "the trainer, blocked maps"}
+NAMES |= {"trainer-nchw": "the trainer, NCHW maps between layers"}
 
 
 def processor() -> str:

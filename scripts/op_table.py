@@ -41,7 +41,7 @@ ROWS = (  # (row, patterns of Paddle's operator names, of PyTorch's), matched in
     ("ReLU backward", ("ReluGrad",), ("threshold_backward",)),
     (
         "max-pool backward",
-        ("max_pool2x2_grad", "Pool2dGrad", "max_pool2d_with_index_grad"),
+        ("max_pool2x2_grad", "max_pool_blocked_grad", "Pool2dGrad", "max_pool2d_with_index_grad"),
         ("max_pool2d_with_indices_backward",),
     ),
     ("dense layers (forward, backward)", ("matmul", "Matmul", "_Linear"), ("addmm", "aten::mm", "aten::t")),

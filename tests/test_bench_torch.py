@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from helpers import launch_env, run_single, small_run
@@ -71,6 +73,21 @@ def test_the_float32_contender_turns_the_float64_sums_off_and_nothing_else(tmp_p
         logs[name] = proc.stdout
     assert "summed in float64" in logs["trainer"] and "summed in float64" not in logs["trainer-f32"]
     assert all("convolutions: oneDNN" in log for log in logs.values())
+
+
+def test_the_nchw_contender_holds_cifar_cnns_maps_nchw_and_nothing_else():
+    """trainer-nchw prices cifar_cnn's blocked maps: its environment turns them off in a new network, the plain
+    trainer's keeps them."""
+    code = (
+        "from paddle_mnist.network import models; print(models.build_model('cifar_cnn', 10, (3, 32, 32)).blocked_maps)"
+    )
+    printed = {}
+    for name in ("trainer", "trainer-nchw"):
+        env = launch_env() | bench_torch.TRAINER_ENV.get(name, {})
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        printed[name] = proc.stdout.split()[-1]
+    assert printed == {"trainer": "True", "trainer-nchw": "False"}
 
 
 def test_op_table_puts_every_operator_in_a_row_and_finds_the_unrecorded_forward_passes(tmp_path):

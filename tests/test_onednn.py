@@ -62,10 +62,10 @@ def test_the_operator_gives_f_conv2ds_output_and_gradients(op, geometry, bias):
     w = paddle.to_tensor((rng.normal(size=(out, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype("float32"))
     if bias:
         b = paddle.to_tensor(rng.normal(size=(out,)).astype("float32"))
-        ours = output_and_grads(lambda x, w, b: op.onednn_conv2d_bias(x, w, b, stride, padding, True), x, w, b)
+        ours = output_and_grads(lambda x, w, b: op.onednn_conv2d_bias(x, w, b, stride, padding, True, 0), x, w, b)
         paddles = output_and_grads(lambda x, w, b: F.conv2d(x, w, b, stride=stride, padding=padding), x, w, b)
     else:
-        ours = output_and_grads(lambda x, w: op.onednn_conv2d(x, w, stride, padding, True), x, w)
+        ours = output_and_grads(lambda x, w: op.onednn_conv2d(x, w, stride, padding, True, 0), x, w)
         paddles = output_and_grads(lambda x, w: F.conv2d(x, w, stride=stride, padding=padding), x, w)
     assert len(ours) == len(paddles) == (4 if bias else 3)
     for name, a, b in zip(("output", "input gradient", "weight gradient", "bias gradient"), ours, paddles):
@@ -98,9 +98,9 @@ def test_an_images_results_do_not_depend_on_the_batch_around_it(op, geometry, bi
     w = (rng.normal(size=(out, c, kernel, kernel)) / np.sqrt(c * kernel * kernel)).astype("float32")
     params = (w, rng.normal(size=(out,)).astype("float32")) if bias else (w,)
     if bias:
-        conv = lambda x, w, b: op.onednn_conv2d_bias(x, w, b, stride, padding, True)  # noqa: E731
+        conv = lambda x, w, b: op.onednn_conv2d_bias(x, w, b, stride, padding, True, 0)  # noqa: E731
     else:
-        conv = lambda x, w: op.onednn_conv2d(x, w, stride, padding, True)  # noqa: E731
+        conv = lambda x, w: op.onednn_conv2d(x, w, stride, padding, True, 0)  # noqa: E731
     o = (side + 2 * padding - kernel) // stride + 1
     grad = rng.normal(size=(n, out, o, o)).astype("float32")
     before = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD).omp_get_max_threads()  # oneDNN's runtime
@@ -167,7 +167,10 @@ def test_views_reach_the_operators_as_whole_tensors(op, through):
     rng = np.random.default_rng(5)
     base, w = rng.normal(size=(4, 8, 12, 12)), rng.normal(size=(8, 8, 3, 3)) / np.sqrt(72)
     weight = paddle.to_tensor(w.astype("float32"))
-    ours = {"conv2d": lambda x: op.onednn_conv2d(x, weight, 1, 1, True), "max_pool2x2": lambda x: op.max_pool2x2(x)[0]}
+    ours = {
+        "conv2d": lambda x: op.onednn_conv2d(x, weight, 1, 1, True, 0),
+        "max_pool2x2": lambda x: op.max_pool2x2(x)[0],
+    }
     paddles = {"conv2d": lambda x: F.conv2d(x, weight, padding=1), "max_pool2x2": lambda x: F.max_pool2d(x, 2, 2)}
 
     def run(layer):
@@ -183,6 +186,7 @@ def test_views_reach_the_operators_as_whole_tensors(op, through):
 
 OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
 OPS += ("onednn_conv_bn_relu", "onednn_conv_relu_blocked", "onednn_max_pool_blocked", "onednn_concat_blocked")
+OPS += ("onednn_conv2d_grad64", "onednn_conv2d_bias_grad64")  # exact.py's backward passes
 
 
 class Counted:
@@ -210,7 +214,7 @@ MODELS = [
         (3, 32, 32),
         {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2, "onednn_concat_blocked": 10},
     ),
-    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "max_pool2x2": 2}),
+    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "onednn_max_pool_blocked": 2}),  # its maps blocked
     # blocked from its first module on, the global max-pool included
     ("cifar_fast", (3, 32, 32), {"onednn_conv_bn_relu": 7, "onednn_max_pool_blocked": 4}),
 ]
@@ -432,9 +436,9 @@ def test_a_convolution_of_a_geometry_onednn_cannot_run_is_refused_in_one_line(
     x, w = paddle.randn(x), paddle.randn(w)
     with pytest.raises(OSError, match=re.escape(said)):
         if bias:
-            op.onednn_conv2d_bias(x, w, paddle.randn(w.shape[:1]), stride, padding, True)
+            op.onednn_conv2d_bias(x, w, paddle.randn(w.shape[:1]), stride, padding, True, 0)
         else:
-            op.onednn_conv2d(x, w, stride, padding, True)
+            op.onednn_conv2d(x, w, stride, padding, True, 0)
 
 
 class UnbiasedVariance:
@@ -712,7 +716,7 @@ def test_evaluation_keeps_no_plans_and_training_keeps_a_bounded_number(op):
     w = paddle.randn([2, 1, 3, 3])
     w.stop_gradient = False
     for batch in range(1, capacity + 11):  # shapes no other test uses
-        op.onednn_conv2d(paddle.randn([batch, 1, 5, 5]), w, 1, 0, False).sum().backward()
+        op.onednn_conv2d(paddle.randn([batch, 1, 5, 5]), w, 1, 0, False, 0).sum().backward()
         assert fastpath.kept_plans() <= fastpath.PLAN_CACHES * capacity
 
 
@@ -749,3 +753,110 @@ def test_maps_whose_channels_blocking_would_pad_to_twice_the_work_go_nhwc(op, is
         layout = "acdb" if fastpath.BLOCK == 16 and not maps else blocked
     for line in ran:
         assert re.search(rf"src[:_]f32:a?p?:blocked:{layout}:", line), (layout, line)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("source", ["nchw", "blocked"])
+def test_the_operator_takes_and_gives_blocked_maps_with_its_nchw_numbers(op, source, bias, block):
+    """onednn_conv2d(_bias) with its output blocked by `block` channels and its input NCHW (a network's first
+    convolution) or blocked (the next ones): once unblocked, the output and every gradient of NCHW maps, to the
+    bit (the same primitives run; only the reorders around them are gone)."""
+    rng = np.random.default_rng(block + bias)
+    x = paddle.to_tensor(rng.normal(size=(4, 32, 15, 15)).astype("float32"))
+    params = [paddle.to_tensor((rng.normal(size=(64, 32, 3, 3)) / 17).astype("float32"))]
+    params += [paddle.to_tensor(rng.normal(size=64).astype("float32"))] if bias else []
+
+    def conv(src_block: int, dst_block: int):
+        def run(x, *p):
+            x = blocked(x, src_block) if src_block else x
+            if bias:
+                y = op.onednn_conv2d_bias(x, *p, 1, 0, True, dst_block)
+            else:
+                y = op.onednn_conv2d(x, *p, 1, 0, True, dst_block)
+            assert len(y.shape) == (5 if dst_block else 4)
+            return fastpath.unblock(y) if dst_block else y
+
+        return run
+
+    nchw = output_and_grads(conv(0, 0), x, *params)
+    ours = output_and_grads(conv(block if source == "blocked" else 0, block), x, *params)
+    for name, a, b in zip(("output", "input gradient", "weights' gradient", "bias's gradient"), ours, nchw):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_a_block_the_operator_does_not_hold_is_refused_in_one_line(op):
+    x, w = paddle.randn([2, 16, 9, 9]), paddle.randn([24, 16, 3, 3])
+    with pytest.raises(Exception, match="maps are blocked by 8 or 16 channels, not 12"):
+        op.onednn_conv2d(x, w, 1, 1, True, 12)
+    with pytest.raises(Exception, match="24 output channels do not fill blocks of 16"):
+        op.onednn_conv2d(x, w, 1, 1, True, 16)
+
+
+@pytest.mark.parametrize("sums", ["float32", "float64"])
+def test_cifar_cnns_blocked_maps_train_and_evaluate_its_nchw_numbers_to_the_bit(op, sums):
+    """cifar_cnn keeps its maps blocked from its first convolution to its last pool (ReLU and dropout on them as
+    they are, the pools by oneDNN): a training step, dropout placed as the trainer places it, gives the logits and
+    every gradient of its maps held NCHW, to the bit, with the step's sums in float32 and in float64
+    (exact.py, as the trainer runs cifar_cnn); so does evaluation."""
+    from paddle_mnist.network import dropout, exact
+
+    paddle.seed(3)
+    net = models.build_model("cifar_cnn", 10, (3, 32, 32))
+    x, y = paddle.randn([12, 3, 32, 32]) * 2 + 0.5, paddle.randint(0, 10, [12])
+    counted = Counted(op)
+    results = []
+    fastpath.use(counted)
+    try:
+        for held_blocked in (True, False):
+            net.blocked_maps = held_blocked
+            net.clear_gradients()
+            kept = exact.Sums() if sums == "float64" else None
+            with dropout.placed(dropout.layers(net), dropout.Place(1, 2, 0, 12)), exact.summing(kept):
+                logits = net(x)
+                F.cross_entropy(logits, y).backward()
+            if kept is not None:
+                kept.gradients(net.parameters(), lambda t: None)
+            net.eval()
+            with paddle.no_grad():
+                evaluated = net(x).numpy()
+            net.train()
+            results.append((logits.numpy(), [p.grad.numpy() for p in net.parameters()], evaluated))
+            if held_blocked:
+                assert counted.calls["onednn_max_pool_blocked"] == 4 and counted.calls["max_pool2x2"] == 0
+                assert counted.calls["onednn_conv2d_bias_grad64"] == (4 if sums == "float64" else 0)
+    finally:
+        fastpath.use(op)
+    (logits, grads, evaluated), (nchw_logits, nchw_grads, nchw_evaluated) = results
+    np.testing.assert_array_equal(logits, nchw_logits)
+    np.testing.assert_array_equal(evaluated, nchw_evaluated)
+    assert len(grads) == 12  # 4 convolutions and 2 dense layers, weights and biases
+    for (name, _), a, b in zip(net.named_parameters(), grads, nchw_grads):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+CIFAR_STEP_CODE = (
+    "import paddle, paddle.nn.functional as F; from paddle_mnist.ops import onednn as o; "
+    "from paddle_mnist.network import models; print(o.activate(o.prepare('onednn'), 'cpu')); paddle.seed(0); "
+    "net = models.build_model('cifar_cnn', 10, (3, 32, 32)); "
+    "F.cross_entropy(net(paddle.randn([6, 3, 32, 32])), paddle.randint(0, 10, [6])).backward(); print('stepped')"
+)
+
+
+@pytest.mark.parametrize("maps", ["", "nchw"])
+def test_cifar_cnns_training_step_reorders_no_map(op, maps):
+    """oneDNN's own log of a cifar_cnn training step (6 images): with its maps blocked, no reorder of a map (the
+    dims of a batch of 6) runs, forward or backward, only the weights'; PADDLE_MNIST_CONV_MAPS=nchw holds them as
+    Paddle's NCHW between the layers, and the maps' reorders run around every convolution."""
+    env = launch_env() | {"ONEDNN_VERBOSE": "1"} | ({"PADDLE_MNIST_CONV_MAPS": maps} if maps else {})
+    proc = subprocess.run([sys.executable, "-c", CIFAR_STEP_CODE], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "stepped" in proc.stdout, explain(proc)
+    ran = [line.split(",") for line in proc.stdout.splitlines() if ",exec," in line]
+    assert sum(",convolution," in ",".join(line) for line in ran) >= 4 * 2, "the convolutions did not all run"
+    reorders = [line for line in ran if line[5] == "reorder"]
+    of_maps = [line for line in reorders if line[-2].startswith("6x")]
+    assert reorders, "no reorder of the weights either: is this oneDNN's log?"
+    if maps == "nchw":
+        assert len(of_maps) >= 8, reorders
+    else:
+        assert of_maps == [], of_maps

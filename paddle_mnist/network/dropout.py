@@ -49,12 +49,20 @@ class Dropout(nn.Layer):
         if not self.training or self.p == 0.0:
             return x
         if self.place is None:
+            if x.ndim == 5:  # a map blocked by channels: the mask Paddle draws for its NCHW form, blocked as x is
+                n, cb, h, w, b = x.shape
+                mask = F.dropout(paddle.ones([n, cb * b, h, w], dtype=x.dtype), self.p, training=True)
+                return x * mask.reshape([n, cb, b, h, w]).transpose([0, 1, 3, 4, 2])
             return F.dropout(x, self.p, training=True)
         if self.p == 1.0:
             return x * 0
         keep = keep_mask(self.place, self.index, x.shape[0], int(np.prod(x.shape[1:])), self.p)
         scale = np.float32(1.0 / (1.0 - self.p))
-        mask = paddle.to_tensor((keep * scale).reshape(x.shape), place=x.place)
+        values = keep * scale
+        if x.ndim == 5:  # a map blocked by channels [N, C/B, H, W, B]: each value takes its NCHW place's draw
+            n, cb, h, w, b = x.shape
+            values = np.ascontiguousarray(values.reshape(n, cb, b, h, w).transpose(0, 1, 3, 4, 2))
+        mask = paddle.to_tensor(values.reshape(x.shape), place=x.place)
         return x * (mask if mask.dtype == x.dtype else mask.astype(x.dtype))
 
     def extra_repr(self) -> str:

@@ -151,10 +151,10 @@ class _ChannelBias(PyLayer):
 
 class _Conv2D(PyLayer):
     @staticmethod
-    def forward(ctx, x, weight, stride, padding):
+    def forward(ctx, x, weight, stride, padding, block):
         ctx.save_for_backward(x)
         ctx.geometry, ctx.weight = (stride, padding), weight
-        return fastpath.conv2d(x, weight, stride, padding)
+        return fastpath.conv2d(x, weight, stride, padding, block=block)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -165,10 +165,10 @@ class _Conv2D(PyLayer):
 
 class _Conv2DBias(PyLayer):
     @staticmethod
-    def forward(ctx, x, weight, bias, stride, padding):
+    def forward(ctx, x, weight, bias, stride, padding, block):
         ctx.save_for_backward(x)
         ctx.geometry, ctx.weight, ctx.bias = (stride, padding), weight, bias
-        return fastpath.conv2d(x, weight, stride, padding, bias=bias)
+        return fastpath.conv2d(x, weight, stride, padding, bias=bias, block=block)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -192,11 +192,11 @@ def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
     return fastpath.add_channel_bias(x, bias)
 
 
-def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias=None) -> paddle.Tensor:
+def conv2d(x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias=None, block=0) -> paddle.Tensor:
     """fastpath.conv2d; while a Sums collects and the operator runs x, the weights' (and bias's) gradient handed
-    over in float64."""
+    over in float64 (the operator's gradient comes in the output's layout: NCHW, or blocked by `block`)."""
     if not (active() and fastpath.can_run(x)):
-        return fastpath.conv2d(x, weight, stride, padding, bias=bias)
+        return fastpath.conv2d(x, weight, stride, padding, bias=bias, block=block)
     if bias is None:
-        return _Conv2D.apply(x, weight, stride, padding)
-    return _Conv2DBias.apply(x, weight, bias, stride, padding)
+        return _Conv2D.apply(x, weight, stride, padding, block)
+    return _Conv2DBias.apply(x, weight, bias, stride, padding, block)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import paddle
 import paddle.nn.functional as F
@@ -41,8 +42,13 @@ class Conv2D(nn.Conv2D):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if not self.fused(x):
             return self.add_bias(self.convolve(x))
+        return self.blocked(x, 0)
+
+    def blocked(self, x: paddle.Tensor, block: int) -> paddle.Tensor:
+        """forward(x) with x NCHW or blocked [N, C/B, H, W, B], the output blocked by `block` channels (0: NCHW);
+        where fused(x)."""
         convolve = exact.conv2d if exact.active() else fastpath.conv2d
-        return convolve(x, self.weight, bias=self.bias, **self.geometry)
+        return convolve(x, self.weight, bias=self.bias, block=block, **self.geometry)
 
 
 class Linear(nn.Linear):
@@ -312,6 +318,9 @@ class CifarCNN(nn.Layer):
             ]
 
         self.features = nn.Sequential(*block(in_channels, 32), *block(32, 64))
+        # 32 and 64 channels fill blocks of 8 or 16 (fastpath.BLOCK); PADDLE_MNIST_CONV_MAPS=nchw holds the maps
+        # as Paddle's NCHW between the layers, to price it (scripts/bench_torch's trainer-nchw contender)
+        self.blocked_maps = os.environ.get("PADDLE_MNIST_CONV_MAPS") != "nchw"
         height, width = (((side - 2) // 2 - 2) // 2 for side in _sides(image_size))
         self.head_pool, (height, width) = head_pool(height, width)
         self.head_scale = head_scale(64 * height * width, 64 * 5 * 5)  # a 28x28 image's map: 64 channels of 5x5
@@ -320,8 +329,32 @@ class CifarCNN(nn.Layer):
         )
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
-        x = pooled(self.features(x), self.head_pool)
+        maps = self.blocked_features(x) if self.runs_blocked(x) else self.features(x)
+        x = pooled(maps, self.head_pool)
         return self.classifier(scaled(paddle.flatten(x, 1), self.head_scale))
+
+    def runs_blocked(self, x: paddle.Tensor) -> bool:
+        """Whether the features run with their maps blocked by fastpath.BLOCK channels: where oneDNN runs them
+        (fastpath.can_run), each convolution adding its bias (Conv2D.fused), while blocked_maps holds (tests set it
+        False to hold both ways against each other)."""
+        return self.blocked_maps and fastpath.can_run(x) and all(c.bias is not None for c in self._convs())
+
+    def _convs(self) -> list[Conv2D]:
+        return [layer for layer in self.features if isinstance(layer, Conv2D)]
+
+    def blocked_features(self, x: paddle.Tensor) -> paddle.Tensor:
+        """self.features(x), the same values, with the maps blocked by fastpath.BLOCK channels from the first
+        convolution's output to the last pool's (ReLU and dropout run on them as they are, the pools by oneDNN),
+        and NCHW again after it: Paddle's NCHW maps cost each convolution a reorder of its input and of its output,
+        in the forward and the backward pass (a tenth of the step on 32x32 images; docs/performance.md)."""
+        for layer in self.features:
+            if isinstance(layer, Conv2D):
+                x = layer.blocked(x, fastpath.BLOCK)
+            elif isinstance(layer, MaxPool2D):
+                x = fastpath.max_pool_blocked(x, 2, 2)
+            else:
+                x = layer(x)
+        return fastpath.unblock(x)
 
 
 class CifarFast(nn.Layer):

@@ -84,13 +84,21 @@ def can_run(x: paddle.Tensor) -> bool:
 
 @paddle.jit.not_to_static  # run as it is while paddle.jit.save traces the network: it then takes F.conv2d
 def conv2d(
-    x: paddle.Tensor, weight: paddle.Tensor, stride: int, padding: int, bias: paddle.Tensor | None = None
+    x: paddle.Tensor,
+    weight: paddle.Tensor,
+    stride: int,
+    padding: int,
+    bias: paddle.Tensor | None = None,
+    block: int = 0,
 ) -> paddle.Tensor:
-    """F.conv2d(x, weight, bias, stride, padding), by oneDNN where it runs (can_run(x))."""
+    """F.conv2d(x, weight, bias, stride, padding), by oneDNN where it runs (can_run(x)). There x may be blocked
+    ([N, C/B, H, W, B]), and block 8 or 16 gives the output blocked by that many channels (0: NCHW): a network
+    whose maps stay blocked between convolutions skips the reorders to and from Paddle's NCHW around each."""
     if can_run(x):
         if bias is None:
-            return _ops.onednn_conv2d(x, weight, stride, padding, not x.stop_gradient)
-        return _ops.onednn_conv2d_bias(x, weight, bias, stride, padding, not x.stop_gradient)
+            return _ops.onednn_conv2d(x, weight, stride, padding, not x.stop_gradient, block)
+        return _ops.onednn_conv2d_bias(x, weight, bias, stride, padding, not x.stop_gradient, block)
+    assert block == 0 and x.ndim == 4, "blocked maps run only where the operators do (can_run)"
     return F.conv2d(x, weight, bias, stride=stride, padding=padding)
 
 
@@ -236,6 +244,6 @@ def reference_kernels(ops=None) -> int:
 
 
 def unblock(x: paddle.Tensor) -> paddle.Tensor:
-    """A blocked map [N, C/B, H, W, B] as NCHW (for tests and checks; the network itself never needs it)."""
+    """A blocked map [N, C/B, H, W, B] as NCHW (cifar_cnn's maps after its last pool, tests and checks)."""
     n, cb, h, w, b = x.shape
     return x.transpose([0, 1, 4, 2, 3]).reshape([n, cb * b, h, w])

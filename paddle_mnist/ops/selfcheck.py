@@ -40,8 +40,8 @@ def check(ops) -> None:
         for stride, padding, side, kernel in ((1, 2, 9, 5), (2, 0, 10, 3)):
             x, w, b = paddle.randn([2, 3, side, side]), paddle.randn([4, 3, kernel, kernel]), paddle.randn([4])
             cases = (
-                ("", lambda: ops.onednn_conv2d(x, w, stride, padding, True), None),  # noqa: B023 (called here)
-                (" with a bias", lambda: ops.onednn_conv2d_bias(x, w, b, stride, padding, True), b),  # noqa: B023
+                ("", lambda: ops.onednn_conv2d(x, w, stride, padding, True, 0), None),  # noqa: B023 (called here)
+                (" with a bias", lambda: ops.onednn_conv2d_bias(x, w, b, stride, padding, True, 0), b),  # noqa: B023
             )
             for which, ours, bias in cases:
                 got = _output_and_grads(ours, x, w, bias)

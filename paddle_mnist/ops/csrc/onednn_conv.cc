@@ -33,13 +33,16 @@ struct Geometry {
   Dims src, weights, dst, strides, pad_left, pad_right;
   bool bias;
   bool serial = false;  // the weights' gradient of each image on one thread (WeightsByImage)
+  // how Paddle holds the input and the output (and their gradients): NCHW (0), or blocked by 8 or 16 channels, a
+  // 5-D tensor [N, C/B, H, W, B] (user_map): a network that keeps its maps blocked between convolutions
+  int64_t src_block = 0, dst_block = 0;
   // the layout of the maps (input, output and their gradients): any (oneDNN's choice) or nhwc (maps_layout); not
   // part of the key, since it follows from the rest
   memory::format_tag maps = memory::format_tag::any;
   bool operator<(const Geometry& other) const {
-    return std::tie(src, weights, dst, strides, pad_left, pad_right, bias, serial) <
+    return std::tie(src, weights, dst, strides, pad_left, pad_right, bias, serial, src_block, dst_block) <
            std::tie(other.src, other.weights, other.dst, other.strides, other.pad_left, other.pad_right, other.bias,
-                    other.serial);
+                    other.serial, other.src_block, other.dst_block);
   }
   Dims bias_dims() const { return {weights[0]}; }
 };
@@ -47,6 +50,13 @@ struct Geometry {
 // A map of g (dims: its input's or its output's) in g's layout.
 memory::desc maps(const Geometry& g, const Dims& dims) {
   return memory::desc(dims, memory::data_type::f32, g.maps);
+}
+
+// A map as Paddle holds it: NCHW (block 0) or blocked by `block` channels.
+memory::desc user_map(const Dims& dims, int64_t block) {
+  if (block == 0) return nchw(dims);
+  return memory::desc(dims, memory::data_type::f32,
+                      block == 16 ? memory::format_tag::aBcd16b : memory::format_tag::aBcd8b);
 }
 
 memory::desc bias_desc(const Geometry& g) {
@@ -64,13 +74,34 @@ void check_geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w
            w[3], " kernel is larger than the input with its padding, ", x[2] + 2 * padding, "x", x[3] + 2 * padding);
 }
 
-Geometry geometry(const std::vector<int64_t>& x, const std::vector<int64_t>& w, int stride, int padding,
-                  bool bias) {
+// The geometry of a convolution of x (NCHW, or blocked [N, C/B, H, W, B]) whose output is blocked by dst_block
+// channels (0: NCHW).
+Geometry geometry(const std::vector<int64_t>& shape, const std::vector<int64_t>& w, int stride, int padding,
+                  bool bias, int64_t dst_block = 0) {
+  PD_CHECK(shape.size() == 4 || shape.size() == 5, "onednn_conv2d: x must have 4 dimensions (or 5, blocked)");
+  PD_CHECK(w.size() == 4, "onednn_conv2d: the weight must have 4 dimensions");
+  const int64_t src_block = shape.size() == 5 ? shape[4] : 0;
+  const std::vector<int64_t> x = {shape[0], shape[1] * (src_block ? src_block : 1), shape[2], shape[3]};
   check_geometry(x, w, stride, padding);
+  for (const int64_t b : {src_block, dst_block}) {
+    PD_CHECK(b == 0 || b == 8 || b == 16, "onednn_conv2d: maps are blocked by 8 or 16 channels, not ", b);
+  }
+  PD_CHECK(dst_block == 0 || w[0] % dst_block == 0, "onednn_conv2d: ", w[0], " output channels do not fill blocks of ",
+           dst_block);
   const ConvSide h = conv_side(x[2], w[2], stride, padding), v = conv_side(x[3], w[3], stride, padding);
-  return {{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], h.out, v.out},
-          {stride, stride},        {padding, padding},        {h.pad_right, v.pad_right},
-          bias};
+  Geometry g{{x[0], x[1], x[2], x[3]}, {w[0], w[1], w[2], w[3]}, {x[0], w[0], h.out, v.out},
+             {stride, stride},        {padding, padding},        {h.pad_right, v.pad_right},
+             bias};
+  g.src_block = src_block;
+  g.dst_block = dst_block;
+  return g;
+}
+
+// The shape of the output as Paddle holds it.
+std::vector<int64_t> output_shape(const Geometry& g) {
+  const Dims& d = g.dst;
+  if (g.dst_block == 0) return {d[0], d[1], d[2], d[3]};
+  return {d[0], d[1] / g.dst_block, d[2], d[3], g.dst_block};
 }
 
 dnnl::convolution_backward_weights::primitive_desc weights_primitive_with(
@@ -221,11 +252,11 @@ struct Backward {
                 g.strides, g.pad_left, g.pad_right, hint),
         weights(g),
         data(data_pd),
-        data_diff_dst(g.dst, data_pd.diff_dst_desc()),
+        data_diff_dst(user_map(g.dst, g.dst_block), data_pd.diff_dst_desc()),
         data_weights(g.weights, data_pd.weights_desc()),
-        data_diff_src(g.src, data_pd.diff_src_desc()),
-        weights_src(g.src, with_batch(g.src, weights.src_layout)),
-        weights_diff_dst(g.dst, with_batch(g.dst, weights.diff_dst_layout)),
+        data_diff_src(user_map(g.src, g.src_block), data_pd.diff_src_desc()),
+        weights_src(user_map(g.src, g.src_block), with_batch(g.src, weights.src_layout)),
+        weights_diff_dst(user_map(g.dst, g.dst_block), with_batch(g.dst, weights.diff_dst_layout)),
         weights_diff_weights(g.weights, weights.pd.diff_weights_desc()),
         share_diff_dst(data_pd.diff_dst_desc() == with_batch(g.dst, weights.diff_dst_layout)) {
     note_kernel(data_pd);
@@ -251,9 +282,9 @@ struct Plan {
                             cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
                             maps(g, g.src), any(g.weights), maps(g, g.dst), g.strides, g.pad_left, g.pad_right)),
         fwd(fwd_pd),
-        fwd_src(g.src, fwd_pd.src_desc()),
+        fwd_src(user_map(g.src, g.src_block), fwd_pd.src_desc()),
         fwd_weights(g.weights, fwd_pd.weights_desc()),
-        fwd_dst(g.dst, fwd_pd.dst_desc()) {
+        fwd_dst(user_map(g.dst, g.dst_block), fwd_pd.dst_desc()) {
     note_kernel(fwd_pd);
     if (training) bwd = std::make_unique<Backward>(g, fwd_pd);
   }
@@ -285,7 +316,8 @@ memory::format_tag maps_layout(const Geometry& g) {
     return v != nullptr && std::string(v) == "blocked";
   }();
   const int64_t in = g.src[1], out = g.dst[1];
-  if (blocked_only || in < 8) return memory::format_tag::any;
+  // maps Paddle holds blocked take oneDNN's choice, which is their layout
+  if (blocked_only || in < 8 || g.src_block != 0 || g.dst_block != 0) return memory::format_tag::any;
   const dnnl::convolution_forward::primitive_desc chosen(
       cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(g.src),
       any(g.weights), any(g.dst), g.strides, g.pad_left, g.pad_right);
@@ -314,9 +346,9 @@ memory::format_tag maps_layout(const Geometry& g) {
 // The plan of a geometry: the one kept, else a new one, kept where it is made for a backward pass. A forward pass
 // (training false) takes the plan a backward pass of either kind keeps (serial or not: the same forward primitive).
 std::shared_ptr<const Plan> plan_for(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
-                                     bool bias, bool training, bool serial = false) {
+                                     bool bias, int64_t dst_block, bool training, bool serial = false) {
   static PlanCache<Geometry, Plan> plans;
-  Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias);
+  Geometry g = geometry(x.shape(), w.shape(), stride, padding, bias, dst_block);
   g.serial = serial;
   if (!training) {
     Geometry other = g;
@@ -333,7 +365,8 @@ std::shared_ptr<const Plan> plan_for(const paddle::Tensor& x, const paddle::Tens
 void check(const paddle::Tensor& t, const char* name) {
   PD_CHECK(t.is_cpu(), "onednn_conv2d: ", name, " must be on the CPU");
   PD_CHECK(t.dtype() == paddle::DataType::FLOAT32, "onednn_conv2d: ", name, " must be float32");
-  PD_CHECK(t.shape().size() == 4, "onednn_conv2d: ", name, " must have 4 dimensions");
+  PD_CHECK(t.shape().size() == 4 || t.shape().size() == 5, "onednn_conv2d: ", name,
+           " must have 4 dimensions (or 5, blocked)");
 }
 
 void check_bias(const paddle::Tensor& b, const paddle::Tensor& w) {
@@ -344,13 +377,12 @@ void check_bias(const paddle::Tensor& b, const paddle::Tensor& w) {
 
 // The forward pass; b is null for the operator without a bias.
 paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor* b, int stride,
-                       int padding) {
+                       int padding, int block) {
   check(x, "x");
   check(w, "weight");
-  const auto plan = plan_for(x, w, stride, padding, b != nullptr, false);
+  const auto plan = plan_for(x, w, stride, padding, b != nullptr, block, false);
   const Plan& p = *plan;
-  const Dims& dst = p.geometry.dst;
-  auto out = paddle::empty({dst[0], dst[1], dst[2], dst[3]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  auto out = paddle::empty(output_shape(p.geometry), paddle::DataType::FLOAT32, paddle::CPUPlace());
   float* out_data = out.data<float>();
   memory written = p.fwd_dst.output(out_data);
   std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, p.fwd_src.input(x.data<float>())},
@@ -431,7 +463,8 @@ paddle::Tensor input_gradient(const Backward& p, const paddle::Tensor& x, const 
 std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& grad_out,
                                      int stride, int padding, bool input_grad, bool bias, bool wide) {
   check(grad_out, "the output's gradient");
-  const auto plan = plan_for(x, w, stride, padding, bias, true, wide);  // exact.py's sums: each image serial
+  const int64_t dst_block = grad_out.shape().size() == 5 ? grad_out.shape()[4] : 0;  // held as the output is
+  const auto plan = plan_for(x, w, stride, padding, bias, dst_block, true, wide);  // exact.py's sums: serial
   const Backward& p = *plan->bwd;
   memory diff_dst = p.weights_diff_dst.input(grad_out.data<float>());
   std::vector<double> sum, bias_sum;
@@ -468,36 +501,36 @@ std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tens
 }  // namespace
 
 std::vector<paddle::Tensor> ConvForward(const paddle::Tensor& x, const paddle::Tensor& w, int stride, int padding,
-                                        bool input_grad) {
-  return {forward(x, w, nullptr, stride, padding)};
+                                        bool input_grad, int block) {
+  return {forward(x, w, nullptr, stride, padding, block)};
 }
 
 std::vector<paddle::Tensor> ConvBackward(const paddle::Tensor& x, const paddle::Tensor& w,
-                                         const paddle::Tensor& grad_out, int stride, int padding, bool input_grad) {
+                                         const paddle::Tensor& grad_out, int stride, int padding, bool input_grad,
+                                         int block) {
   return backward(x, w, grad_out, stride, padding, input_grad, false, false);
 }
 
 std::vector<paddle::Tensor> ConvBiasForward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
-                                            int stride, int padding, bool input_grad) {
-  return {forward(x, w, &b, stride, padding)};
+                                            int stride, int padding, bool input_grad, int block) {
+  return {forward(x, w, &b, stride, padding, block)};
 }
 
 std::vector<paddle::Tensor> ConvBiasBackward(const paddle::Tensor& x, const paddle::Tensor& w, const paddle::Tensor& b,
                                              const paddle::Tensor& grad_out, int stride, int padding,
-                                             bool input_grad) {
+                                             bool input_grad, int block) {
   return backward(x, w, grad_out, stride, padding, input_grad, true, false);
 }
 
 std::vector<std::vector<int64_t>> ConvInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
-                                                 int stride, int padding, bool input_grad) {
-  const Geometry g = geometry(x, w, stride, padding, false);
-  return {{x[0], w[0], g.dst[2], g.dst[3]}};
+                                                 int stride, int padding, bool input_grad, int block) {
+  return {output_shape(geometry(x, w, stride, padding, false, block))};
 }
 
 std::vector<std::vector<int64_t>> ConvBiasInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                                      const std::vector<int64_t>& b, int stride, int padding,
-                                                     bool input_grad) {
-  return ConvInferShape(x, w, stride, padding, input_grad);
+                                                     bool input_grad, int block) {
+  return ConvInferShape(x, w, stride, padding, input_grad, block);
 }
 
 std::vector<paddle::DataType> ConvInferDtype(const paddle::DataType& x, const paddle::DataType& w) { return {x}; }
@@ -510,7 +543,7 @@ std::vector<paddle::DataType> ConvBiasInferDtype(const paddle::DataType& x, cons
 PD_BUILD_OP(onednn_conv2d)
     .Inputs({"X", "W"})
     .Outputs({"Out"})
-    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ConvForward))
     .SetInferShapeFn(PD_INFER_SHAPE(ConvInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ConvInferDtype));
@@ -518,13 +551,13 @@ PD_BUILD_OP(onednn_conv2d)
 PD_BUILD_GRAD_OP(onednn_conv2d)
     .Inputs({"X", "W", paddle::Grad("Out")})
     .Outputs({paddle::Grad("X"), paddle::Grad("W")})
-    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ConvBackward));
 
 PD_BUILD_OP(onednn_conv2d_bias)
     .Inputs({"X", "W", "B"})
     .Outputs({"Out"})
-    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ConvBiasForward))
     .SetInferShapeFn(PD_INFER_SHAPE(ConvBiasInferShape))
     .SetInferDtypeFn(PD_INFER_DTYPE(ConvBiasInferDtype));
@@ -532,7 +565,7 @@ PD_BUILD_OP(onednn_conv2d_bias)
 PD_BUILD_GRAD_OP(onednn_conv2d_bias)
     .Inputs({"X", "W", "B", paddle::Grad("Out")})
     .Outputs({paddle::Grad("X"), paddle::Grad("W"), paddle::Grad("B")})
-    .Attrs({"stride: int", "padding: int", "input_grad: bool"})
+    .Attrs({"stride: int", "padding: int", "input_grad: bool", "block: int"})
     .SetKernelFn(PD_KERNEL(ConvBiasBackward));
 
 // The backward passes as operators of their own, with the weights' and the bias's gradients in float64: what
