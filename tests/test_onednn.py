@@ -853,7 +853,7 @@ def test_cifar_cnns_training_step_reorders_no_map(op, maps):
     assert proc.returncode == 0 and "stepped" in proc.stdout, explain(proc)
     ran = [line.split(",") for line in proc.stdout.splitlines() if ",exec," in line]
     assert sum(",convolution," in ",".join(line) for line in ran) >= 4 * 2, "the convolutions did not all run"
-    reorders = [line for line in ran if line[5] == "reorder"]
+    reorders = [line for line in ran if "reorder" in line[:7]]  # its place moves between oneDNN's log versions
     of_maps = [line for line in reorders if line[-2].startswith("6x")]
     assert reorders, "no reorder of the weights either: is this oneDNN's log?"
     if maps == "nchw":
