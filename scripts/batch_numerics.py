@@ -61,7 +61,7 @@ class Call:
 
 @contextlib.contextmanager
 def recording(calls: list[Call]) -> Iterator[None]:
-    """Record every fastpath.conv2d, fastpath.max_pool2x2 and exact.linear call made inside (models.Conv2D, MaxPool2D
+    """Record every fastpath.conv2d, fastpath.max_pool2x2 and exact.linear call made inside (layers.Conv2D, MaxPool2D
     and Linear call them in training; Linear calls exact.linear only while a step sums in float64, exact.active)."""
     conv2d, pool, linear = fastpath.conv2d, fastpath.max_pool2x2, exact.linear
 

@@ -143,7 +143,7 @@ class BatchNorm2D(nn.BatchNorm2D):
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         if self.spans_global_batch and self.training and _meets() and self._data_format == "NCHW":
             return _GlobalNorm.apply(x, self.weight, self.bias, self, _meeting)
-        return nn.BatchNorm2D.forward(self, x)  # named, as models.MaxPool2D does, for Paddle 2.6's jit.save
+        return nn.BatchNorm2D.forward(self, x)  # named, as layers.MaxPool2D does, for Paddle 2.6's jit.save
 
 
 def over_global_batch(net: nn.Layer) -> int:

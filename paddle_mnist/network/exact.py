@@ -18,7 +18,7 @@ rounded float32 only where the sum falls that close to a float32 rounding bounda
     active()            whether a Sums collects now, in a pass with gradients; collecting(): inside summing
     hand_over(p, g)     a layer's float64 gradient g of parameter p to the Sums (batchnorm.py's too)
     conv2d, linear, add_channel_bias
-                        what models.Conv2D and models.Linear call while a Sums collects (active()): the outputs
+                        what layers.Conv2D and layers.Linear call while a Sums collects (active()): the outputs
                         of fastpath.conv2d, F.linear and fastpath.add_channel_bias, with their gradients handed over
                         in float64
 """

@@ -8,7 +8,7 @@ tracing, or no build). What models.py and exact.py ask:
     conv2d(...)            F.conv2d by onednn_conv2d(_bias) where can_run(x), else F.conv2d (so paddle.jit.save,
                            and with it Paddle Inference and ONNX, always get Paddle's); conv2d_grad64, its float64
                            backward pass
-    can_pool2x2(x, ...)    whether max_pool2x2(x) runs models.MaxPool2D's pool of x (csrc/max_pool.cc)
+    can_pool2x2(x, ...)    whether max_pool2x2(x) runs layers.MaxPool2D's pool of x (csrc/max_pool.cc)
     can_run_blocked(l, x)  whether a network of conv modules runs x in oneDNN's layout blocked by BLOCK channels,
                            then conv_bn_relu, conv_relu_folded, max_pool_blocked and concat_blocked (csrc/blocked.cc)
     plane_sums, affine     the per-image float64 sums and per-channel scalings of batchnorm.py (csrc/batch_norm.cc)
@@ -151,7 +151,7 @@ def conv_bn_relu(
     channels: x's block where it is blocked, else `block` (BLOCK when None).
 
     The batch norm normalises by the batch's mean and biased variance, and its running averages move as Paddle's
-    do: running = momentum * running + (1 - momentum) * batch. conv is a models.Conv2D (its geometry); ops, the
+    do: running = momentum * running + (1 - momentum) * batch. conv is a layers.Conv2D (its geometry); ops, the
     operators' module where it is not the active one (selfcheck).
     """
     stride, padding = conv.geometry["stride"], conv.geometry["padding"]

@@ -3,7 +3,7 @@
 Paddle's dygraph runs a CPU convolution as im2col and one small MKL GEMM per image, and never reaches oneDNN
 (docs/performance.md). csrc/onednn_conv.cc holds Paddle custom operators, with their gradient operators, that run
 the convolution through oneDNN: onednn_conv2d, and onednn_conv2d_bias, which adds the bias inside the convolution.
-csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that models.MaxPool2D runs in training, to the
+csrc/max_pool.cc adds max_pool2x2, the 2x2 max-pool of stride 2 that layers.MaxPool2D runs in training, to the
 bit F.max_pool2d's and, in SSE2, faster than Paddle's CPU kernel (docs/performance.md). csrc/blocked.cc runs
 MiniGoogLeNet's conv modules (convolution, batch norm, ReLU), 3x3 max-pools and concatenations on maps in oneDNN's
 layout blocked by BLOCK channels (conv_bn_relu, max_pool_blocked, concat_blocked); csrc/batch_norm.cc has the
