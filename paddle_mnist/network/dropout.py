@@ -50,19 +50,15 @@ class Dropout(nn.Layer):
             return x
         if self.place is None:
             if x.ndim == 5:  # a map blocked by channels: the mask Paddle draws for its NCHW form, blocked as x is
-                n, cb, h, w, b = x.shape
-                mask = F.dropout(paddle.ones([n, cb * b, h, w], dtype=x.dtype), self.p, training=True)
-                return x * mask.reshape([n, cb, b, h, w]).transpose([0, 1, 3, 4, 2])
+                return x * _blocked_as(F.dropout(paddle.ones(_nchw_shape(x), dtype=x.dtype), self.p, training=True), x)
             return F.dropout(x, self.p, training=True)
         if self.p == 1.0:
             return x * 0
         keep = keep_mask(self.place, self.index, x.shape[0], int(np.prod(x.shape[1:])), self.p)
         scale = np.float32(1.0 / (1.0 - self.p))
-        values = keep * scale
-        if x.ndim == 5:  # a map blocked by channels [N, C/B, H, W, B]: each value takes its NCHW place's draw
-            n, cb, h, w, b = x.shape
-            values = np.ascontiguousarray(values.reshape(n, cb, b, h, w).transpose(0, 1, 3, 4, 2))
-        mask = paddle.to_tensor(values.reshape(x.shape), place=x.place)
+        mask = paddle.to_tensor((keep * scale).reshape(_nchw_shape(x)), place=x.place)
+        if x.ndim == 5:  # a map blocked by channels: each value takes its NCHW place's draw
+            mask = _blocked_as(mask, x)
         return x * (mask if mask.dtype == x.dtype else mask.astype(x.dtype))
 
     def extra_repr(self) -> str:
@@ -103,3 +99,17 @@ def placed(found: list[Dropout], place: Place) -> Iterator[None]:
     finally:
         for layer in found:
             layer.place = None
+
+
+def _nchw_shape(x: paddle.Tensor) -> list[int]:
+    """x's shape, or the NCHW shape of a map blocked by channels [N, C/B, H, W, B]."""
+    if x.ndim != 5:
+        return list(x.shape)
+    n, cb, h, w, b = x.shape
+    return [n, cb * b, h, w]
+
+
+def _blocked_as(mask: paddle.Tensor, x: paddle.Tensor) -> paddle.Tensor:
+    """An NCHW mask in the blocked layout of x [N, C/B, H, W, B] (fastpath.unblock's inverse)."""
+    n, cb, h, w, b = x.shape
+    return mask.reshape([n, cb, b, h, w]).transpose([0, 1, 3, 4, 2])
