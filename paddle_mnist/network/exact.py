@@ -42,23 +42,31 @@ class Sums:
 
     def __init__(self) -> None:
         self.by_param: dict[int, tuple[paddle.Tensor, paddle.Tensor]] = {}
+        self.summed = False  # whether a parameter's sum has more than one part (micro-batches, a shared layer)
 
     def add(self, param: paddle.Tensor, grad: paddle.Tensor) -> None:
         if param.stop_gradient:
             return
         kept = self.by_param.get(id(param))
+        self.summed = self.summed or kept is not None
         self.by_param[id(param)] = (param, grad if kept is None else kept[1] + grad)
 
-    def gradients(self, params: list, all_reduce: Callable[[paddle.Tensor], None]) -> None:
+    def gradients(self, params: list, all_reduce: Callable[[paddle.Tensor], None] | None) -> None:
         """Set every trainable parameter's gradient to its sum over the step's images on all workers, rounded to
-        float32 once: all_reduce sums one float64 buffer over the workers in place. A trainable parameter without a
-        float64 sum is a layer outside this module, whose float32 gradient would break the promise: RuntimeError."""
+        float32 once: all_reduce sums one float64 buffer over the workers in place (None: this worker's images
+        are the step's). A trainable parameter without a float64 sum is a layer outside this module, whose float32
+        gradient would break the promise: RuntimeError."""
         trainable = [p for p in params if not p.stop_gradient and p.grad is not None]
         missing = [p.name for p in trainable if id(p) not in self.by_param]
         if missing or not trainable:
             raise RuntimeError(f"no float64 gradient sum for the parameters {missing} (a layer outside exact.py)")
+        if all_reduce is None and not self.summed:
+            # each gradient came in one part, which hand_over gave autograd rounded to float32 once, into a
+            # gradient cleared to zero: it already holds the rounded sum (26 operators fewer, 0.5 ms of a step)
+            return
         flat = paddle.concat([self.by_param[id(p)][1].reshape([-1]) for p in trainable])
-        all_reduce(flat)
+        if all_reduce is not None:
+            all_reduce(flat)
         rounded = flat.astype("float32")
         offset = 0
         for p in trainable:

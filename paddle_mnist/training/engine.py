@@ -256,7 +256,7 @@ def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, tim
         corrects.append((logits.argmax(axis=1) == truth).astype("int64").sum())
     with timer.phase("backward"):
         if sums is not None:
-            sums.gradients(model.parameters(), add)
+            sums.gradients(model.parameters(), add if env.world_size > 1 else None)
         else:
             average_gradients(model, env)
     with timer.phase("optimizer"):

@@ -13,6 +13,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include <memory>
@@ -415,16 +416,20 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
   memory image_src(w.pd.src_desc(), cpu_engine(), DNNL_MEMORY_NONE);
   memory image_diff_dst(w.pd.diff_dst_desc(), cpu_engine(), DNNL_MEMORY_NONE);
   memory image_weights(w.pd.diff_weights_desc(), cpu_engine(), one.data());
+  // one argument map for the whole batch: its memory objects are handles, which move to each image in turn
+  std::unordered_map<int, memory> args = {
+      {DNNL_ARG_SRC, image_src}, {DNNL_ARG_DIFF_DST, image_diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, image_weights}};
+  if (bias_sum != nullptr) args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(w.image), cpu_engine(), one_bias.data());
   const OpenMPThreads threads(w.image.serial ? 1 : 0);  // see WeightsByImage
+  double* total = sum.data();
+  const float* image = one.data();
+  const size_t floats = one.size();
   for (int64_t i = 0; i < batch; ++i) {
     image_src.set_data_handle(const_cast<float*>(src_data + i * w.src_floats));
     image_diff_dst.set_data_handle(const_cast<float*>(diff_dst_data + i * w.diff_dst_floats));
-    std::unordered_map<int, memory> args = {
-        {DNNL_ARG_SRC, image_src}, {DNNL_ARG_DIFF_DST, image_diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, image_weights}};
-    if (bias_sum != nullptr) args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(w.image), cpu_engine(), one_bias.data());
     w.primitive.execute(cpu_stream(), args);
     cpu_stream().wait();
-    for (size_t k = 0; k < one.size(); ++k) sum[k] += one[k];
+    for (size_t k = 0; k < floats; ++k) total[k] += image[k];
     for (size_t k = 0; k < one_bias.size(); ++k) (*bias_sum)[k] += one_bias[k];
   }
 }
@@ -478,9 +483,11 @@ std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tens
     write_weights(p.weights_diff_weights, sum, high.data<float>(), false);
     write_weights(p.weights_diff_weights, sum, low.data<float>(), true);
     cpu_stream().wait();
-    double* out = grad_w.data<double>();
-    for (int64_t k = 0; k < grad_w.numel(); ++k) {
-      out[k] = static_cast<double>(high.data<float>()[k]) + static_cast<double>(low.data<float>()[k]);
+    double* out = grad_w.data<double>();  // the pointers fetched once: data<T>() checks the tensor at each call
+    const float* high_data = high.data<float>();
+    const float* low_data = low.data<float>();
+    for (int64_t k = 0, n = grad_w.numel(); k < n; ++k) {
+      out[k] = static_cast<double>(high_data[k]) + static_cast<double>(low_data[k]);
     }
   } else {
     write_weights(p.weights_diff_weights, sum, grad_w.data<float>(), false);
@@ -488,12 +495,11 @@ std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tens
   paddle::Tensor grad_x = input_gradient(p, x, w, grad_out, diff_dst, input_grad);
   if (!bias) return {grad_x, grad_w};
   auto grad_b = paddle::empty({w.shape()[0]}, type, paddle::CPUPlace());
-  for (size_t k = 0; k < bias_sum.size(); ++k) {
-    if (wide) {
-      grad_b.data<double>()[k] = bias_sum[k];
-    } else {
-      grad_b.data<float>()[k] = static_cast<float>(bias_sum[k]);
-    }
+  if (wide) {
+    std::copy(bias_sum.begin(), bias_sum.end(), grad_b.data<double>());
+  } else {
+    float* out = grad_b.data<float>();
+    for (size_t k = 0; k < bias_sum.size(); ++k) out[k] = static_cast<float>(bias_sum[k]);
   }
   return {grad_x, grad_w, grad_b};
 }
