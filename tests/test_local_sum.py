@@ -204,12 +204,14 @@ JOB = [*small_run(train_limit=1024, eval_limit=200, batch_size=64, epochs=1, log
 
 
 @pytest.mark.slow
-def test_two_workers_train_glooes_weights_through_shared_memory_and_leave_nothing_in_dev_shm(tmp_path):
-    """Shipped MNIST, the default model (batch norm: float32 gradients, DataParallel's averaging replaced)."""
+@pytest.mark.parametrize("model", ["mnist_cnn_bn_fc", "mnist_cnn"])
+def test_two_workers_train_glooes_weights_through_shared_memory_and_leave_nothing_in_dev_shm(tmp_path, model):
+    """Shipped MNIST, the default model (batch norm: float32 gradients, DataParallel's averaging replaced) and
+    mnist_cnn (float64 sums: each summed in its own memory through shared memory, as one buffer over gloo)."""
     before = shm_files()
     digests = {}
     for sums in ("shared-memory", "gloo"):
-        args = [*REAL_JOB, "--model", "mnist_cnn_bn_fc", "--output-dir", str(tmp_path / sums), "--cpu-sums", sums]
+        args = [*REAL_JOB, "--model", model, "--output-dir", str(tmp_path / sums), "--cpu-sums", sums]
         proc = run_launch(args, cwd=tmp_path, log_dir=tmp_path / f"log-{sums}")
         assert proc.returncode == 0, explain(proc, tmp_path / f"log-{sums}")
         log = worker_log(tmp_path / f"log-{sums}", 1)

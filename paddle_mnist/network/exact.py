@@ -51,10 +51,10 @@ class Sums:
         self.summed = self.summed or kept is not None
         self.by_param[id(param)] = (param, grad if kept is None else kept[1] + grad)
 
-    def gradients(self, params: list, all_reduce: Callable[[paddle.Tensor], None] | None) -> None:
+    def gradients(self, params: list, all_reduce: Callable[[list[paddle.Tensor]], None] | None) -> None:
         """Set every trainable parameter's gradient to its sum over the step's images on all workers, rounded to
-        float32 once: all_reduce sums one float64 buffer over the workers in place (None: this worker's images
-        are the step's). A trainable parameter without a float64 sum is a layer outside this module, whose float32
+        float32 once: all_reduce sums each float64 sum over the workers in place (None: this worker's images are
+        the step's). A trainable parameter without a float64 sum is a layer outside this module, whose float32
         gradient would break the promise: RuntimeError."""
         trainable = [p for p in params if not p.stop_gradient and p.grad is not None]
         missing = [p.name for p in trainable if id(p) not in self.by_param]
@@ -62,17 +62,13 @@ class Sums:
             raise RuntimeError(f"no float64 gradient sum for the parameters {missing} (a layer outside exact.py)")
         if all_reduce is None and not self.summed:
             # each gradient came in one part, which hand_over gave autograd rounded to float32 once, into a
-            # gradient cleared to zero: it already holds the rounded sum (26 operators fewer, 0.5 ms of a step)
+            # gradient cleared to zero: it already holds the rounded sum (a copy and a cast each the fewer)
             return
-        flat = paddle.concat([self.by_param[id(p)][1].reshape([-1]) for p in trainable])
+        sums = [self.by_param[id(p)][1] for p in trainable]
         if all_reduce is not None:
-            all_reduce(flat)
-        rounded = flat.astype("float32")
-        offset = 0
-        for p in trainable:
-            n = int(p.size)
-            paddle.assign(rounded[offset : offset + n].reshape(p.shape), output=p.grad)
-            offset += n
+            all_reduce(sums)
+        for p, total in zip(trainable, sums):
+            paddle.assign(total.astype("float32"), output=p.grad)
 
 
 @contextlib.contextmanager

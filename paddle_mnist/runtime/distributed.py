@@ -203,6 +203,31 @@ def sum_over_workers(model: paddle.nn.Layer, env: DistEnv) -> Callable[[paddle.T
     return lambda t: _sum_in_place(t, env)
 
 
+def sum_each_over_workers(model: paddle.nn.Layer, env: DistEnv) -> Callable[[list], None] | None:
+    """What sums each of a list of tensors over the workers in place, where DataParallel wraps the model (more
+    than one worker), else None. Through shared memory the sums land in the tensors' own memory; elsewhere they
+    travel as one buffer, copied back."""
+    if not isinstance(model, paddle.DataParallel):
+        return None
+    return lambda tensors: _sum_each_in_place(tensors, env)
+
+
+def _sum_each_in_place(tensors: list[paddle.Tensor], env: DistEnv) -> None:
+    local = env.carrier.local
+    if local is not None and local.fits(sum(t.size * t.element_size() for t in tensors)):
+        views = [local_sum.numpy_view(t) for t in tensors]
+        if all(v is not None for v in views):
+            local.sum_into(views)
+            return
+    flat = paddle.concat([t.reshape([-1]) for t in tensors])
+    _sum_in_place(flat, env)
+    offset = 0
+    for t in tensors:
+        n = int(t.size)
+        paddle.assign(flat[offset : offset + n].reshape(t.shape), output=t)
+        offset += n
+
+
 def _sum_in_place(t: paddle.Tensor, env: DistEnv) -> None:
     local = env.carrier.local
     if local is None or not local.fits(t.size * t.element_size()):

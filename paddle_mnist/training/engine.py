@@ -26,6 +26,7 @@ from paddle_mnist.runtime.distributed import (
     average_gradients,
     device_sync,
     gradient_sync,
+    sum_each_over_workers,
     sum_over_workers,
 )
 from paddle_mnist.training import timing
@@ -256,7 +257,7 @@ def train_step(state, images, labels, cfg: Config, feed: Feed, env: DistEnv, tim
         corrects.append((logits.argmax(axis=1) == truth).astype("int64").sum())
     with timer.phase("backward"):
         if sums is not None:
-            sums.gradients(model.parameters(), add if env.world_size > 1 else None)
+            sums.gradients(model.parameters(), sum_each_over_workers(model, env))
         else:
             average_gradients(model, env)
     with timer.phase("optimizer"):
