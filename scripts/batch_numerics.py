@@ -100,7 +100,7 @@ def results(call: Call, run: Callable, x: np.ndarray, grad: np.ndarray, wide: bo
 
 
 def operators(call: Call, backend: str) -> Callable:
-    """The operator of the call by oneDNN (backend "onednn"; a dense layer: exact.linear's float64 products) or by
+    """The operator of the call by oneDNN (backend "onednn"; a dense layer: exact.linear's products by rows) or by
     Paddle."""
     if call.kind == "linear":
         return exact.linear if backend == "onednn" else F.linear

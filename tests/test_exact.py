@@ -14,6 +14,7 @@ import pytest
 from helpers import REPO, explain, launch_env
 
 from paddle_mnist.network import exact, models
+from paddle_mnist.runtime import cpu
 
 # Run in a child process, so that oneDNN and MKL read the instruction set they are held to at their start. Prints
 # one line per model: the largest difference of any parameter's gradient, whole batch against its parts.
@@ -73,6 +74,9 @@ def test_a_batchs_gradient_is_the_same_bits_whole_and_in_parts(op, isa):
 
 
 def test_the_dense_layer_gives_each_row_the_same_bits_in_any_batch(op):
+    """Its output and its input's gradient, row by row, from a batch of 96 and from slices of it of other sizes,
+    starting at other places in a block of exact.ROWS rows (Paddle's own float32 product gives a row other bits in
+    another batch: the last assertion)."""
     rng = np.random.default_rng(5)
     x = paddle.to_tensor(rng.standard_normal((96, 1600)).astype("float32"), stop_gradient=False)
     w = paddle.create_parameter([1600, 512], "float32")
@@ -82,13 +86,43 @@ def test_the_dense_layer_gives_each_row_the_same_bits_in_any_batch(op):
         y = exact.linear(x, w, b)
         (y * y).sum().backward()
     wide = (x.numpy().astype(np.float64) @ w.numpy().astype(np.float64)) + b.numpy()
-    np.testing.assert_allclose(y.numpy(), wide.astype(np.float32), rtol=1e-6)  # rounded once from float64
-    for rows in (slice(0, 1), slice(40, 72)):
-        with exact.summing(exact.Sums()):
-            assert np.array_equal(exact.linear(x[rows], w, b).numpy(), y.numpy()[rows])
+    np.testing.assert_allclose(y.numpy(), wide, rtol=1e-4, atol=1e-5)  # float32 sums of 1,600 products
     assert sums.by_param[id(w)][1].dtype == paddle.float64 and sums.by_param[id(b)][1].dtype == paddle.float64
     assert np.array_equal(w.grad.numpy(), sums.by_param[id(w)][1].numpy().astype(np.float32))
     np.testing.assert_allclose(w.grad.numpy(), x.numpy().T @ (2 * y.numpy()), rtol=1e-4, atol=1e-3)
+    for rows in (slice(0, 1), slice(40, 72), slice(3, 20), slice(17, 96), slice(90, 95)):
+        part = paddle.to_tensor(x.numpy()[rows], stop_gradient=False)
+        with exact.summing(exact.Sums()):
+            y_part = exact.linear(part, w, b)
+            (y_part * y_part).sum().backward()
+        assert np.array_equal(y_part.numpy(), y.numpy()[rows]), rows
+        assert np.array_equal(part.grad.numpy(), x.grad.numpy()[rows]), rows
+    plain = [paddle.matmul(t, w).numpy() for t in (x[3:20], x)]
+    assert not np.array_equal(plain[0], plain[1][3:20])  # what the blocks of rows are for
+
+
+def test_the_dense_layer_gives_the_same_bits_on_any_number_of_threads(op):
+    """A worker of 1 thread and a process of 2 (as trainer.py sets them: Paddle's count, which MKL reads, and both
+    OpenMP runtimes'): the same output and input gradient, on the models' dense shapes. Without exact.by_rows's one
+    thread, MKL split the 980 by 10 and 980 by 256 layers' input gradient over 2 threads in another order."""
+    rng = np.random.default_rng(3)
+    got = {}
+    try:
+        for threads in (1, 2):
+            paddle.base.core.set_num_threads(threads)
+            cpu.set_openmp_threads(threads)
+            for k, n in ((980, 10), (980, 256), (1600, 512)):
+                w = paddle.to_tensor(rng.standard_normal((k, n)).astype("float32") * 0.05)
+                x = paddle.to_tensor(rng.standard_normal((64, k)).astype("float32"))
+                g = paddle.to_tensor(rng.standard_normal((64, n)).astype("float32"))
+                got[threads, k, n] = (exact.by_rows(x, w).numpy(), exact.by_rows(g, w, transpose_y=True).numpy())
+            rng = np.random.default_rng(3)
+    finally:
+        paddle.base.core.set_num_threads(1)
+        cpu.set_openmp_threads(1)
+    for k, n in ((980, 10), (980, 256), (1600, 512)):
+        for one, two in zip(got[1, k, n], got[2, k, n]):
+            assert np.array_equal(one, two), (k, n)
 
 
 def test_outside_a_step_the_layers_are_paddles_own(op):

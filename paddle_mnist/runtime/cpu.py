@@ -3,9 +3,10 @@ loads, and the threads each worker gets, in both OpenMP runtimes Paddle's CPU wh
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
-from collections.abc import MutableMapping
+from collections.abc import Iterator, MutableMapping
 
 MKL_CODE_PATH = "MKL_DEBUG_CPU_TYPE"  # read once, when Paddle's bundled MKL (mklml) starts
 AVX2_CODE_PATH = "5"
@@ -104,6 +105,36 @@ def set_openmp_threads(n: int) -> dict[str, int]:
         lib.omp_set_num_threads(ctypes.c_int(n))
         seen[name] = lib.omp_get_max_threads()
     return seen
+
+
+_loaded_runtimes: dict[str, ctypes.CDLL] = {}
+MKL_LIBRARY = "libmklml_intel.so"  # Paddle's bundled MKL, whose own thread count outranks OpenMP's
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Inside, this thread's MKL calls and next parallel regions run on one thread (MKL's thread-local count, and
+    every OpenMP runtime loaded): MKL's float32 products then add in one order whatever the process's threads
+    (network/exact.py's by_rows); restored after. A library this process has not loaded is left alone."""
+    for name in (*OPENMP_RUNTIMES, MKL_LIBRARY):
+        if name not in _loaded_runtimes:
+            try:
+                _loaded_runtimes[name] = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+            except OSError:  # not loaded in this process
+                continue
+    openmp = {name: lib for name, lib in _loaded_runtimes.items() if name != MKL_LIBRARY}
+    kept = {name: lib.omp_get_max_threads() for name, lib in openmp.items()}
+    for lib in openmp.values():
+        lib.omp_set_num_threads(ctypes.c_int(1))
+    mkl = _loaded_runtimes.get(MKL_LIBRARY)
+    kept_mkl = mkl.MKL_Set_Num_Threads_Local(ctypes.c_int(1)) if mkl is not None else None  # 0: the global count
+    try:
+        yield
+    finally:
+        if mkl is not None:
+            mkl.MKL_Set_Num_Threads_Local(ctypes.c_int(kept_mkl))
+        for name, lib in openmp.items():
+            lib.omp_set_num_threads(ctypes.c_int(kept[name]))
 
 
 # One process with a thread a core against a one-thread worker a core, the default model at 64 images a worker a
