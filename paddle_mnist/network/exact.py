@@ -5,14 +5,13 @@ An image's output and input gradient are the same bits in any batch: the oneDNN 
 the same kernels per image whatever the batch's size (tests/test_onednn.py), and the dense layers here multiply
 their rows in blocks of ROWS (by_rows; small layers in float64, rounded once): MKL adds a float32 matrix product's
 terms in an order that changes with its number of rows, so products of a fixed ROWS rows give each row the same
-bits wherever it stands. What a batch split
-changes is only how the images' gradients are grouped when their sums are added: float32 rounds each grouping
-differently, by 1e-7 of the gradient, and training can amplify that where a value sits within rounding of a
-max-pool's tie or ReLU's 0 (docs/training.md). So the layers below hand their weights' and biases' gradients over
-in float64: the convolutions' summed image by image (csrc/onednn_conv.cc, onednn_conv2d_grad64), the dense layers'
-and the bias adds' by float64 matrix products (products of float32 values are exact there, their sums round 2^-29
-of float32's) and sums. Summing collects them over a step's micro-batches; the
-trainer all-reduces the collected sums over the workers in float64 and rounds each to float32 once
+bits wherever it stands. What a batch split changes is only how the images' gradients are grouped when their sums
+are added: float32 rounds each grouping differently, by 1e-7 of the gradient, and training can amplify that where a
+value sits within rounding of a max-pool's tie or ReLU's 0 (docs/training.md). So the layers below hand their
+weights' and biases' gradients over in float64: the convolutions' summed image by image (csrc/onednn_conv.cc,
+onednn_conv2d_grad64), the dense layers' and the bias adds' by float64 matrix products (products of float32 values
+are exact there, their sums round 2^-29 of float32's) and sums. Summing collects them over a step's micro-batches;
+the trainer all-reduces the collected sums over the workers in float64 and rounds each to float32 once
 (Sums.gradients). The float64 rounding of a sum differs with its order by about 1e-16 of it, which reaches the
 rounded float32 only where the sum falls that close to a float32 rounding boundary.
 
@@ -132,12 +131,14 @@ def by_rows(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool = False) -> pa
     return y[:n].reshape([*shape[:-1], y.shape[-1]])
 
 
-def _product(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool = False) -> paddle.Tensor:
-    """x @ w (w transposed where asked), each row the same bits in any batch: by_rows, or for a small w in float64,
-    rounded once."""
+def _product(x: paddle.Tensor, w: paddle.Tensor, bias=None, transpose_y: bool = False) -> paddle.Tensor:
+    """x @ w (w transposed where asked), plus bias where given, each row the same bits in any batch: by_rows, or for
+    a small w in float64, the bias added there too, rounded once."""
     if w.size >= BLOCKS_FROM:
-        return by_rows(x, w, transpose_y)
-    return paddle.matmul(_wide(x), _wide(w), transpose_y=transpose_y).astype("float32")
+        y = by_rows(x, w, transpose_y)
+        return y if bias is None else y + bias
+    y = paddle.matmul(_wide(x), _wide(w), transpose_y=transpose_y)
+    return (y if bias is None else y + _wide(bias)).astype("float32")
 
 
 def _dense_backward(ctx, grad_out) -> tuple:
@@ -154,9 +155,7 @@ class _Linear(PyLayer):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x)
         ctx.weight, ctx.bias = weight, bias  # the parameters themselves: Sums knows them by identity
-        if weight.size < BLOCKS_FROM:
-            return (paddle.matmul(_wide(x), _wide(weight)) + _wide(bias)).astype("float32")
-        return by_rows(x, weight) + bias
+        return _product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -97,17 +97,26 @@ def set_openmp_threads(n: int) -> dict[str, int]:
     threads as the machine has cores in every worker.
     """
     seen = {}
-    for name in OPENMP_RUNTIMES:
-        try:
-            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-        except OSError:  # not loaded in this process
-            continue
+    for name, lib in _loaded(OPENMP_RUNTIMES).items():
         lib.omp_set_num_threads(ctypes.c_int(n))
         seen[name] = lib.omp_get_max_threads()
     return seen
 
 
 _loaded_runtimes: dict[str, ctypes.CDLL] = {}
+
+
+def _loaded(names: tuple[str, ...]) -> dict[str, ctypes.CDLL]:
+    """Those of the libraries named that this process has loaded, by name (kept once found)."""
+    for name in names:
+        if name not in _loaded_runtimes:
+            try:
+                _loaded_runtimes[name] = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
+            except OSError:  # not loaded in this process
+                continue
+    return {name: _loaded_runtimes[name] for name in names if name in _loaded_runtimes}
+
+
 MKL_LIBRARY = "libmklml_intel.so"  # Paddle's bundled MKL, whose own thread count outranks OpenMP's
 
 
@@ -116,17 +125,11 @@ def one_thread() -> Iterator[None]:
     """Inside, this thread's MKL calls and next parallel regions run on one thread (MKL's thread-local count, and
     every OpenMP runtime loaded): MKL's float32 products then add in one order whatever the process's threads
     (network/exact.py's by_rows); restored after. A library this process has not loaded is left alone."""
-    for name in (*OPENMP_RUNTIMES, MKL_LIBRARY):
-        if name not in _loaded_runtimes:
-            try:
-                _loaded_runtimes[name] = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
-            except OSError:  # not loaded in this process
-                continue
-    openmp = {name: lib for name, lib in _loaded_runtimes.items() if name != MKL_LIBRARY}
+    openmp = _loaded(OPENMP_RUNTIMES)
     kept = {name: lib.omp_get_max_threads() for name, lib in openmp.items()}
     for lib in openmp.values():
         lib.omp_set_num_threads(ctypes.c_int(1))
-    mkl = _loaded_runtimes.get(MKL_LIBRARY)
+    mkl = _loaded((MKL_LIBRARY,)).get(MKL_LIBRARY)
     kept_mkl = mkl.MKL_Set_Num_Threads_Local(ctypes.c_int(1)) if mkl is not None else None  # 0: the global count
     try:
         yield

@@ -221,11 +221,7 @@ def _sum_each_in_place(tensors: list[paddle.Tensor], env: DistEnv) -> None:
             return
     flat = paddle.concat([t.reshape([-1]) for t in tensors])
     _sum_in_place(flat, env)
-    offset = 0
-    for t in tensors:
-        n = int(t.size)
-        paddle.assign(flat[offset : offset + n].reshape(t.shape), output=t)
-        offset += n
+    local_sum.write_back(tensors, flat.numpy())
 
 
 def _sum_in_place(t: paddle.Tensor, env: DistEnv) -> None:
