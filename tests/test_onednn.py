@@ -187,6 +187,7 @@ def test_views_reach_the_operators_as_whole_tensors(op, through):
 OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
 OPS += ("onednn_conv_bn_relu", "onednn_conv_relu_blocked", "onednn_max_pool_blocked", "onednn_concat_blocked")
 OPS += ("onednn_conv2d_grad64", "onednn_conv2d_bias_grad64")  # exact.py's backward passes
+OPS += ("onednn_unblock", "bn_nhwc")  # blocked maps as NCHW; batch norm of NHWC maps (csrc/batch_norm.cc)
 
 
 class Counted:
@@ -205,16 +206,22 @@ class Counted:
 
 # the model, its input, and how many times a training step calls each operator: convolutions with a bias (oneDNN
 # adds it) and without, 2x2 pools of stride 2 (max_pool2x2), and minigooglenet's and cifar_fast's conv modules,
-# pools and concatenations in the blocked layout (csrc/blocked.cc)
+# pools and concatenations in the blocked layout (csrc/blocked.cc; mnist_cnn's and cifar_cnn's pools too)
 MODELS = [
-    ("mnist_cnn", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),  # its bias after the pool (conv_relu_pool)
-    ("mnist_cnn_bn_fc", (1, 28, 28), {"onednn_conv2d": 2, "max_pool2x2": 2}),
+    # their maps NHWC from the first convolution on, which adds mnist_cnn's bias
+    ("mnist_cnn", (1, 28, 28), {"onednn_conv2d_bias": 2, "onednn_max_pool_blocked": 2, "onednn_unblock": 1}),
+    (
+        "mnist_cnn_bn_fc",
+        (1, 28, 28),
+        {"onednn_conv2d": 2, "bn_nhwc": 2, "onednn_max_pool_blocked": 2, "onednn_unblock": 1},
+    ),
     (
         "minigooglenet",
         (3, 32, 32),
         {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2, "onednn_concat_blocked": 10},
     ),
-    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "onednn_max_pool_blocked": 2}),  # its maps blocked
+    # its maps blocked
+    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "onednn_max_pool_blocked": 2, "onednn_unblock": 1}),
     # blocked from its first module on, the global max-pool included
     ("cifar_fast", (3, 32, 32), {"onednn_conv_bn_relu": 7, "onednn_max_pool_blocked": 4}),
 ]
@@ -785,9 +792,63 @@ def test_the_operator_takes_and_gives_blocked_maps_with_its_nchw_numbers(op, sou
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@pytest.mark.parametrize(("channels", "side"), [(1, 28), (20, 14), (20, 9)])
+def test_the_operators_take_and_give_nhwc_maps(op, channels, side):
+    """mnist_cnn's maps held NHWC, [N, 1, H, W, C] (blocked by all their channels): onednn_conv2d_bias gives
+    Paddle's convolution's output and gradients, the input NCHW (one channel, the first) or NHWC, and
+    onednn_max_pool_blocked F.max_pool2d's to the bit (odd sides included)."""
+    rng = np.random.default_rng(side)
+    x = paddle.to_tensor(rng.normal(size=(4, channels, side, side)).astype("float32"))
+    w = paddle.to_tensor((rng.normal(size=(20, channels, 5, 5)) / 9).astype("float32"))
+    b = paddle.to_tensor(rng.normal(size=20).astype("float32"))
+
+    def nhwc(x, w, b):
+        y = op.onednn_conv2d_bias(blocked(x, channels) if channels > 1 else x, w, b, 1, 2, True, 20)
+        assert y.shape == [4, 1, side, side, 20]
+        return fastpath.unblock(y)
+
+    ours = output_and_grads(nhwc, x, w, b)
+    paddles = output_and_grads(lambda x, w, b: F.conv2d(x, w, b, padding=2), x, w, b)
+    for name, a, e in zip(("output", "input gradient", "weights' gradient", "bias's gradient"), ours, paddles):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5 * np.abs(e).max(), err_msg=name)  # float32 sums
+
+    maps = paddle.to_tensor(rng.normal(size=(4, 20, side, side)).astype("float32"))
+    pooled = output_and_grads(lambda m: fastpath.unblock(op.onednn_max_pool_blocked(blocked(m, 20), 2, 2)[0]), maps)
+    for a, e in zip(pooled, output_and_grads(lambda m: F.max_pool2d(m, 2, 2), maps)):
+        np.testing.assert_array_equal(a, e)
+
+
+@pytest.mark.parametrize("offset", [0.0, 300.0])
+def test_batch_norm_of_nhwc_maps_gives_paddles(op, offset):
+    """bn_nhwc (mnist_cnn_bn's batch norm in training, its maps NHWC): Paddle's batch norm's output and gradients,
+    and the batch's mean and biased variance, also for a mean 300 times the spread (its sums shift by a value near
+    the mean, so its squares do not cancel)."""
+    rng = np.random.default_rng(int(offset))
+    nchw = paddle.to_tensor((rng.normal(size=(6, 20, 9, 9)) + offset).astype("float32"))
+    gamma = paddle.to_tensor(rng.uniform(0.5, 2, size=20).astype("float32"))
+    beta = paddle.to_tensor(rng.normal(size=20).astype("float32"))
+    running = [paddle.zeros([20]), paddle.ones([20])]
+
+    def ours(x, g, b):
+        y, mean, variance = op.bn_nhwc(blocked(x, 20), g, b, 1e-5)
+        kept.extend([mean.numpy(), variance.numpy()])
+        return fastpath.unblock(y)
+
+    kept: list[np.ndarray] = []
+    got = output_and_grads(ours, nchw, gamma, beta)
+    want = output_and_grads(
+        lambda x, g, b: F.batch_norm(x, *running, g, b, training=True, epsilon=1e-5), nchw, gamma, beta
+    )
+    for name, a, e in zip(("output", "input gradient", "gamma's gradient", "beta's gradient"), got, want):
+        np.testing.assert_allclose(a, e, rtol=1e-3, atol=2e-4 * np.abs(e).max(), err_msg=name)
+    wide = nchw.numpy().astype(np.float64)
+    np.testing.assert_allclose(kept[0], wide.mean(axis=(0, 2, 3)), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(kept[1], wide.var(axis=(0, 2, 3)), rtol=1e-3)
+
+
 def test_a_block_the_operator_does_not_hold_is_refused_in_one_line(op):
     x, w = paddle.randn([2, 16, 9, 9]), paddle.randn([24, 16, 3, 3])
-    with pytest.raises(Exception, match="maps are blocked by 8 or 16 channels, not 12"):
+    with pytest.raises(Exception, match="maps are blocked by 8 or 16 channels or by all of them, not by 12 of 24"):
         op.onednn_conv2d(x, w, 1, 1, True, 12)
     with pytest.raises(Exception, match="24 output channels do not fill blocks of 16"):
         op.onednn_conv2d(x, w, 1, 1, True, 16)
@@ -845,9 +906,10 @@ CIFAR_STEP_CODE = (
 
 @pytest.mark.parametrize("maps", ["", "nchw"])
 def test_cifar_cnns_training_step_reorders_no_map(op, maps):
-    """oneDNN's own log of a cifar_cnn training step (6 images): with its maps blocked, no reorder of a map (the
-    dims of a batch of 6) runs, forward or backward, only the weights'; PADDLE_MNIST_CONV_MAPS=nchw holds them as
-    Paddle's NCHW between the layers, and the maps' reorders run around every convolution."""
+    """oneDNN's own log of a cifar_cnn training step (6 images): with its maps blocked, the only reorders of a map
+    (the dims of a batch of 6) are the last pool's output to NCHW and its gradient back (fastpath.unblock), the
+    others the weights'; PADDLE_MNIST_CONV_MAPS=nchw holds them as Paddle's NCHW between the layers, and the maps'
+    reorders run around every convolution."""
     env = launch_env() | {"ONEDNN_VERBOSE": "1"} | ({"PADDLE_MNIST_CONV_MAPS": maps} if maps else {})
     proc = subprocess.run([sys.executable, "-c", CIFAR_STEP_CODE], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "stepped" in proc.stdout, explain(proc)
@@ -859,4 +921,4 @@ def test_cifar_cnns_training_step_reorders_no_map(op, maps):
     if maps == "nchw":
         assert len(of_maps) >= 8, reorders
     else:
-        assert of_maps == [], of_maps
+        assert [line[-2] for line in of_maps] == ["6x64x6x6"] * 2, of_maps

@@ -76,10 +76,16 @@ class MnistCNN(nn.Layer):
         self.head_scale = head_scale(features, 20 * 7 * 7)  # a 28x28 image's map: 20 channels of 7x7
         self.hidden = nn.Sequential(dense(features, hidden), nn.ReLU()) if hidden else None
         self.fc = dense(hidden or features, num_classes)
+        # PADDLE_MNIST_CONV_MAPS=nchw holds the maps as Paddle's NCHW between the layers (nhwc_features), to price it
+        self.blocked_maps = os.environ.get("PADDLE_MNIST_CONV_MAPS") != "nchw"
 
     def forward(self, x: paddle.Tensor) -> paddle.Tensor:
         f = self.features
-        if self.order == "bias_after_pool":  # features: conv, ReLU, pool, twice
+        if self.blocked_maps and self.order == "bias_after_pool" and fastpath.can_run(x):
+            x = self.nhwc_features(x)
+        elif self.blocked_maps and self.order == "relu_after_pool" and self.nhwc_norms(x):
+            x = self.nhwc_features(x)
+        elif self.order == "bias_after_pool":  # features: conv, ReLU, pool, twice
             conv1, pool1, conv2, pool2 = f[0], f[2], f[3], f[5]
             x = conv_relu_pool(conv_relu_pool(x, conv1, pool1), conv2, pool2)
         elif self.order == "relu_after_pool":  # features: conv, batch norm, ReLU, pool, twice
@@ -90,6 +96,27 @@ class MnistCNN(nn.Layer):
             x = f(x)
         x = scaled(paddle.flatten(pooled(x, self.head_pool), 1), self.head_scale)
         return self.fc(self.hidden(x) if self.hidden is not None else x)
+
+    def nhwc_features(self, x: paddle.Tensor) -> paddle.Tensor:
+        """The features of the order "bias_after_pool", the same values, by oneDNN with the maps NHWC from the first
+        convolution's output to the last pool's, as 5-D tensors [N, 1, H, W, 20] (blocked by all 20 channels:
+        csrc/onednn_common.h), NCHW again after: Paddle's NCHW maps cost each convolution a reorder of its input and
+        of its output, in the forward and the backward pass (1.3 ms of a 12 ms step, docs/performance.md). The
+        convolution adds the bias (max(v + b) = max(v) + b, to the bit) and sums its gradient in the weights'
+        backward pass; ReLU runs after the pool, on a quarter of the values. With batch norm (where nhwc_norms),
+        each convolution is followed by fastpath.batch_norm_nhwc."""
+        f = self.features
+        blocks = ((f[0], None, f[2]), (f[3], None, f[5])) if len(f) == 6 else ((f[0], f[1], f[3]), (f[4], f[5], f[7]))
+        for conv, norm, pool in blocks:
+            x = conv.blocked(x, conv.weight.shape[0])
+            x = x if norm is None else fastpath.batch_norm_nhwc(x, norm)
+            x = F.relu(fastpath.max_pool_blocked(x, pool.ksize, pool.stride or pool.ksize))
+        return fastpath.unblock(x)
+
+    def nhwc_norms(self, x: paddle.Tensor) -> bool:
+        """Whether the batch norm network runs x with NHWC maps: in training where oneDNN runs (fastpath.can_run),
+        its batch norm per worker (over the global batch it runs NCHW: batchnorm.py); evaluation runs NCHW."""
+        return self.training and fastpath.can_run(x) and not batchnorm.spans_global_batch(self)
 
 
 def _sides(image_size: int | tuple[int, int]) -> tuple[int, int]:

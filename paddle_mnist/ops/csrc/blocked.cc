@@ -17,6 +17,8 @@
 //                             cifar_fast's 2x2/2 and its global max-pool, a window of the whole map)
 //   onednn_concat_blocked     two blocked maps joined on channels (each part holds whole blocks); its gradient is
 //                             split in place from the output's
+//   onednn_unblock            a blocked map as NCHW, by oneDNN's reorder, its gradient blocked again (Paddle's
+//                             transpose gives a strided view, whose readers and copies go value by value)
 //
 // MiniGoogLeNet's global average pool is a mean over H and W (in Paddle). The primitives of a shape are kept by its first
 // backward pass (PlanCache in onednn_common.h); the buffers a call needs are made for it.
@@ -35,11 +37,9 @@ namespace {
 
 using namespace paddle_mnist;  // NOLINT: the shared helpers of onednn_common.h
 
-// A map of NCHW dims blocked by `block` channels (8 or 16: check_map and check_block refuse others).
-memory::desc blocked(const Dims& dims, int64_t block) {
-  return memory::desc(dims, memory::data_type::f32,
-                      block == 16 ? memory::format_tag::aBcd16b : memory::format_tag::aBcd8b);
-}
+// A map of NCHW dims blocked by `block` channels: 8 or 16, or all of them (NHWC; check_map and check_conv refuse
+// others).
+memory::desc blocked(const Dims& dims, int64_t block) { return blocked_map(dims, block); }
 memory::desc per_channel(int64_t c) { return memory::desc({c}, memory::data_type::f32, memory::format_tag::a); }
 
 // The NCHW dims of a tensor: itself where it has 4 dimensions, [N, C/B * B, H, W] for a blocked one.
@@ -50,8 +50,6 @@ Dims logical(const std::vector<int64_t>& shape) {
 
 std::vector<int64_t> blocked_shape(const Dims& d, int64_t block) { return {d[0], d[1] / block, d[2], d[3], block}; }
 
-bool valid_block(int64_t block) { return block == 8 || block == 16; }
-
 void check_float(const paddle::Tensor& t, const char* op, const char* name) {
   PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::FLOAT32, op, ": ", name, " must be float32 on the CPU");
 }
@@ -59,8 +57,8 @@ void check_float(const paddle::Tensor& t, const char* op, const char* name) {
 void check_map(const paddle::Tensor& t, const char* op, const char* name) {
   check_float(t, op, name);
   const auto& s = t.shape();
-  PD_CHECK(s.size() == 4 || (s.size() == 5 && valid_block(s[4])), op, ": ", name,
-           " must be NCHW or blocked by 8 or 16 channels (N, C/B, H, W, B)");
+  PD_CHECK(s.size() == 4 || (s.size() == 5 && valid_block(s[4], s[1] * s[4])), op, ": ", name,
+           " must be NCHW or blocked by 8 or 16 channels or by all of them (N, C/B, H, W, B)");
 }
 
 paddle::Tensor empty(const std::vector<int64_t>& shape, paddle::DataType type = paddle::DataType::FLOAT32) {
@@ -208,7 +206,7 @@ constexpr const char* kModule = "onednn_conv_bn_relu";
 void check_conv(const char* op, const paddle::Tensor& x, const paddle::Tensor& w, int block,
                 std::initializer_list<const paddle::Tensor*> per_channel_vectors) {
   check_map(x, op, "x");
-  PD_CHECK(valid_block(block), op, ": block must be 8 or 16, not ", block);
+  PD_CHECK(block == 8 || block == 16, op, ": block must be 8 or 16, not ", block);
   PD_CHECK(x.shape().size() == 4 || x.shape()[4] == block, op, ": x is blocked by ", x.shape().back(),
            " channels, the output would be by ", block);
   check_float(w, op, "the weight");
@@ -493,6 +491,54 @@ std::vector<paddle::Tensor> ConcatBackward(const paddle::Tensor& a, const paddle
 
 // ---- shapes and types, for Paddle ----
 
+// ---- a blocked map as NCHW ----
+
+struct Unblock {
+  Unblock(const Dims& d, int64_t block)
+      : to_nchw(dnnl::reorder::primitive_desc(cpu_engine(), blocked(d, block), cpu_engine(), paddle_mnist::nchw(d))),
+        to_blocked(
+            dnnl::reorder::primitive_desc(cpu_engine(), paddle_mnist::nchw(d), cpu_engine(), blocked(d, block))) {}
+  dnnl::reorder to_nchw, to_blocked;
+};
+
+std::shared_ptr<const Unblock> unblock_for(const paddle::Tensor& x, bool training) {
+  static PlanCache<std::pair<Dims, int64_t>, Unblock> plans;
+  const auto key = std::make_pair(logical(x.shape()), x.shape().back());
+  return plans.find_or_make(key, training, [&] { return std::make_shared<const Unblock>(key.first, key.second); });
+}
+
+constexpr const char* kUnblock = "onednn_unblock";
+
+std::vector<paddle::Tensor> UnblockForward(const paddle::Tensor& x) {
+  check_map(x, kUnblock, "x");
+  PD_CHECK(x.shape().size() == 5, kUnblock, ": x must be blocked (N, C/B, H, W, B)");
+  const auto plan = unblock_for(x, false);
+  const Dims d = logical(x.shape());
+  auto out = empty({d[0], d[1], d[2], d[3]});
+  memory from = wrap(blocked(d, x.shape().back()), x), to = wrap(paddle_mnist::nchw(d), out);
+  plan->to_nchw.execute(cpu_stream(), from, to);
+  cpu_stream().wait();
+  return {out};
+}
+
+std::vector<paddle::Tensor> UnblockBackward(const paddle::Tensor& x, const paddle::Tensor& grad_out) {
+  check_float(grad_out, kUnblock, "the output's gradient");
+  const auto plan = unblock_for(x, true);
+  const Dims d = logical(x.shape());
+  auto grad_x = empty(x.shape());
+  memory from = wrap(paddle_mnist::nchw(d), grad_out), to = wrap(blocked(d, x.shape().back()), grad_x);
+  plan->to_blocked.execute(cpu_stream(), from, to);
+  cpu_stream().wait();
+  return {grad_x};
+}
+
+std::vector<std::vector<int64_t>> UnblockInferShape(const std::vector<int64_t>& x) {
+  const Dims d = logical(x);
+  return {{d[0], d[1], d[2], d[3]}};
+}
+
+std::vector<paddle::DataType> UnblockInferDtype(const paddle::DataType& x) { return {x}; }
+
 std::vector<std::vector<int64_t>> ModuleInferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                                    const std::vector<int64_t>& b, const std::vector<int64_t>& gamma,
                                                    const std::vector<int64_t>& beta, int stride, int padding,
@@ -571,3 +617,15 @@ PD_BUILD_GRAD_OP(onednn_concat_blocked)
     .Inputs({"A", "B", paddle::Grad("Out")})
     .Outputs({paddle::Grad("A"), paddle::Grad("B")})
     .SetKernelFn(PD_KERNEL(ConcatBackward));
+
+PD_BUILD_OP(onednn_unblock)
+    .Inputs({"X"})
+    .Outputs({"Out"})
+    .SetKernelFn(PD_KERNEL(UnblockForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(UnblockInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(UnblockInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_unblock)
+    .Inputs({"X", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X")})
+    .SetKernelFn(PD_KERNEL(UnblockBackward));

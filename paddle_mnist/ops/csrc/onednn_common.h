@@ -46,6 +46,19 @@ inline memory::desc any(const Dims& dims) {
   return memory::desc(dims, memory::data_type::f32, memory::format_tag::any);
 }
 
+// A map of NCHW dims as Paddle holds it blocked, a 5-D tensor [N, C/B, H, W, B]: by 8 or 16 channels (oneDNN's
+// aBcd8b and aBcd16b, what its kernels run on), or by all C of them, one block ([N, 1, H, W, C]: NHWC, whose
+// kernels take a count that is no multiple of 8, as mnist_cnn's 20, without padding it).
+inline bool valid_block(int64_t block, int64_t channels) {
+  return block == 8 || block == 16 || (block > 0 && block == channels);
+}
+inline memory::desc blocked_map(const Dims& dims, int64_t block) {
+  const auto tag = block == 16  ? memory::format_tag::aBcd16b
+                   : block == 8 ? memory::format_tag::aBcd8b
+                                : memory::format_tag::nhwc;
+  return memory::desc(dims, memory::data_type::f32, tag);
+}
+
 // Whether oneDNN implements a primitive with a direct kernel: neither im2col and a GEMM nor the reference loops,
 // which go element by element.
 inline bool direct(const dnnl::primitive_desc& pd) {

@@ -34,8 +34,9 @@ struct Geometry {
   Dims src, weights, dst, strides, pad_left, pad_right;
   bool bias;
   bool serial = false;  // the weights' gradient of each image on one thread (WeightsByImage)
-  // how Paddle holds the input and the output (and their gradients): NCHW (0), or blocked by 8 or 16 channels, a
-  // 5-D tensor [N, C/B, H, W, B] (user_map): a network that keeps its maps blocked between convolutions
+  // how Paddle holds the input and the output (and their gradients): NCHW (0), or blocked by 8 or 16 channels or
+  // by all of them (NHWC), a 5-D tensor [N, C/B, H, W, B] (user_map): a network that keeps its maps so between
+  // convolutions
   int64_t src_block = 0, dst_block = 0;
   // the layout of the maps (input, output and their gradients): any (oneDNN's choice) or nhwc (maps_layout); not
   // part of the key, since it follows from the rest
@@ -53,12 +54,15 @@ memory::desc maps(const Geometry& g, const Dims& dims) {
   return memory::desc(dims, memory::data_type::f32, g.maps);
 }
 
-// A map as Paddle holds it: NCHW (block 0) or blocked by `block` channels.
-memory::desc user_map(const Dims& dims, int64_t block) {
-  if (block == 0) return nchw(dims);
-  return memory::desc(dims, memory::data_type::f32,
-                      block == 16 ? memory::format_tag::aBcd16b : memory::format_tag::aBcd8b);
+// A map of g as Paddle holds it: NCHW (block 0) or blocked by `block` channels (blocked_map). An NCHW map of one
+// channel is NHWC too: so described where g's maps are NHWC, it needs no reorder.
+memory::desc user_map(const Geometry& g, const Dims& dims, int64_t block) {
+  if (block != 0) return blocked_map(dims, block);
+  return dims[1] == 1 && g.maps == memory::format_tag::nhwc ? maps(g, dims) : nchw(dims);
 }
+
+// Whether a map of `channels` is held NHWC ([N, 1, H, W, C]), blocked by all its channels, not by oneDNN's 8 or 16.
+bool held_nhwc(int64_t block, int64_t channels) { return block == channels && block != 8 && block != 16; }
 
 memory::desc bias_desc(const Geometry& g) {
   return memory::desc(g.bias_dims(), memory::data_type::f32, memory::format_tag::a);
@@ -84,8 +88,9 @@ Geometry geometry(const std::vector<int64_t>& shape, const std::vector<int64_t>&
   const int64_t src_block = shape.size() == 5 ? shape[4] : 0;
   const std::vector<int64_t> x = {shape[0], shape[1] * (src_block ? src_block : 1), shape[2], shape[3]};
   check_geometry(x, w, stride, padding);
-  for (const int64_t b : {src_block, dst_block}) {
-    PD_CHECK(b == 0 || b == 8 || b == 16, "onednn_conv2d: maps are blocked by 8 or 16 channels, not ", b);
+  for (const auto& [b, c] : {std::pair<int64_t, int64_t>{src_block, x[1]}, {dst_block, w[0]}}) {
+    PD_CHECK(b == 0 || valid_block(b, c), "onednn_conv2d: maps are blocked by 8 or 16 channels or by all of them, ",
+             "not by ", b, " of ", c);
   }
   PD_CHECK(dst_block == 0 || w[0] % dst_block == 0, "onednn_conv2d: ", w[0], " output channels do not fill blocks of ",
            dst_block);
@@ -253,11 +258,11 @@ struct Backward {
                 g.strides, g.pad_left, g.pad_right, hint),
         weights(g),
         data(data_pd),
-        data_diff_dst(user_map(g.dst, g.dst_block), data_pd.diff_dst_desc()),
+        data_diff_dst(user_map(g, g.dst, g.dst_block), data_pd.diff_dst_desc()),
         data_weights(g.weights, data_pd.weights_desc()),
-        data_diff_src(user_map(g.src, g.src_block), data_pd.diff_src_desc()),
-        weights_src(user_map(g.src, g.src_block), with_batch(g.src, weights.src_layout)),
-        weights_diff_dst(user_map(g.dst, g.dst_block), with_batch(g.dst, weights.diff_dst_layout)),
+        data_diff_src(user_map(g, g.src, g.src_block), data_pd.diff_src_desc()),
+        weights_src(user_map(g, g.src, g.src_block), with_batch(g.src, weights.src_layout)),
+        weights_diff_dst(user_map(g, g.dst, g.dst_block), with_batch(g.dst, weights.diff_dst_layout)),
         weights_diff_weights(g.weights, weights.pd.diff_weights_desc()),
         share_diff_dst(data_pd.diff_dst_desc() == with_batch(g.dst, weights.diff_dst_layout)) {
     note_kernel(data_pd);
@@ -283,9 +288,9 @@ struct Plan {
                             cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct,
                             maps(g, g.src), any(g.weights), maps(g, g.dst), g.strides, g.pad_left, g.pad_right)),
         fwd(fwd_pd),
-        fwd_src(user_map(g.src, g.src_block), fwd_pd.src_desc()),
+        fwd_src(user_map(g, g.src, g.src_block), fwd_pd.src_desc()),
         fwd_weights(g.weights, fwd_pd.weights_desc()),
-        fwd_dst(user_map(g.dst, g.dst_block), fwd_pd.dst_desc()) {
+        fwd_dst(user_map(g, g.dst, g.dst_block), fwd_pd.dst_desc()) {
     note_kernel(fwd_pd);
     if (training) bwd = std::make_unique<Backward>(g, fwd_pd);
   }
@@ -311,21 +316,25 @@ int64_t channel_block(const memory::desc& chosen, const Dims& dims) {
 // 15.0 ms a batch of 64 against 22.4 blocked; at 8 it pads 1.44 times and stays blocked, which ran as fast:
 // docs/performance.md). A first layer (under 8 input channels) keeps oneDNN's choice, its kernels made for few
 // channels. PADDLE_MNIST_CONV_MAPS=blocked keeps oneDNN's choice everywhere (for measuring the two side by side).
+// Maps Paddle holds NHWC (a network that keeps them so between layers: mnist_cnn) go NHWC whatever their counts.
 memory::format_tag maps_layout(const Geometry& g) {
   static const bool blocked_only = [] {
     const char* v = std::getenv("PADDLE_MNIST_CONV_MAPS");
     return v != nullptr && std::string(v) == "blocked";
   }();
   const int64_t in = g.src[1], out = g.dst[1];
-  // maps Paddle holds blocked take oneDNN's choice, which is their layout
-  if (blocked_only || in < 8 || g.src_block != 0 || g.dst_block != 0) return memory::format_tag::any;
-  const dnnl::convolution_forward::primitive_desc chosen(
-      cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(g.src),
-      any(g.weights), any(g.dst), g.strides, g.pad_left, g.pad_right);
-  const int64_t b = channel_block(chosen.dst_desc(), g.dst);
-  if (b == 0) return memory::format_tag::any;
-  const int64_t padded = (in + b - 1) / b * b * ((out + b - 1) / b * b);
-  if (padded < 2 * in * out) return memory::format_tag::any;
+  const bool nhwc_held = held_nhwc(g.src_block, in) || held_nhwc(g.dst_block, out);
+  if (!nhwc_held) {
+    // maps Paddle holds blocked take oneDNN's choice, which is their layout
+    if (blocked_only || in < 8 || g.src_block != 0 || g.dst_block != 0) return memory::format_tag::any;
+    const dnnl::convolution_forward::primitive_desc chosen(
+        cpu_engine(), dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(g.src),
+        any(g.weights), any(g.dst), g.strides, g.pad_left, g.pad_right);
+    const int64_t b = channel_block(chosen.dst_desc(), g.dst);
+    if (b == 0) return memory::format_tag::any;
+    const int64_t padded = (in + b - 1) / b * b * ((out + b - 1) / b * b);
+    if (padded < 2 * in * out) return memory::format_tag::any;
+  }
   // NHWC only where its forward and backward-data kernels are direct ones (an older oneDNN may offer only im2col
   // and a GEMM, or its reference loops, there)
   const auto nhwc = [](const Dims& dims) {
