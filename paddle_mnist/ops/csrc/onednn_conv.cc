@@ -205,7 +205,7 @@ struct WeightsByImage {
   WeightsByImage(const Geometry& g, const OpenMPThreads&)
       : image(one_image(g)),
         hint(hint_for(image)),
-        pd(make_pd()),
+        pd(make_pd(image, hint)),
         primitive(pd),
         src_layout(image_layout(pd.src_desc())),
         diff_dst_layout(image_layout(pd.diff_dst_desc())),
@@ -224,14 +224,16 @@ struct WeightsByImage {
 
   // The image primitive with its input and the output's gradient in layouts that hold a batch image after image:
   // the layouts it chooses where they do, else Paddle's (NCHW), which every kernel takes.
-  dnnl::convolution_backward_weights::primitive_desc make_pd() const {
+  static dnnl::convolution_backward_weights::primitive_desc make_pd(
+      const Geometry& image, const dnnl::convolution_forward::primitive_desc& hint) {
     auto chosen = weights_primitive(image, hint);
     const memory::format_tag s = image_layout(chosen.src_desc()), d = image_layout(chosen.diff_dst_desc());
-    return weights_primitive_with_dst(with_batch(image.src, s), with_batch(image.dst, d));
+    return weights_primitive_with_dst(image, hint, with_batch(image.src, s), with_batch(image.dst, d));
   }
 
-  dnnl::convolution_backward_weights::primitive_desc weights_primitive_with_dst(const memory::desc& src,
-                                                                                const memory::desc& diff_dst) const {
+  static dnnl::convolution_backward_weights::primitive_desc weights_primitive_with_dst(
+      const Geometry& image, const dnnl::convolution_forward::primitive_desc& hint, const memory::desc& src,
+      const memory::desc& diff_dst) {
     using dnnl::convolution_backward_weights;
     const auto direct = dnnl::algorithm::convolution_direct;
     if (image.bias) {
@@ -335,8 +337,9 @@ memory::format_tag maps_layout(const Geometry& g) {
     const int64_t padded = (in + b - 1) / b * b * ((out + b - 1) / b * b);
     if (padded < 2 * in * out) return memory::format_tag::any;
   }
-  // NHWC only where its forward and backward-data kernels are direct ones (an older oneDNN may offer only im2col
-  // and a GEMM, or its reference loops, there)
+  // NHWC only where its forward, backward-data and image-by-image backward-weights kernels are direct ones (an older
+  // oneDNN may offer only im2col and a GEMM, or its reference loops, there: the oneDNN 3.2 of Paddle 2.6 has only
+  // those for a first layer's weights with NHWC maps)
   const auto nhwc = [](const Dims& dims) {
     return memory::desc(dims, memory::data_type::f32, memory::format_tag::nhwc);
   };
@@ -347,7 +350,12 @@ memory::format_tag maps_layout(const Geometry& g) {
     const dnnl::convolution_backward_data::primitive_desc data(cpu_engine(), dnnl::algorithm::convolution_direct,
                                                                nhwc(g.src), any(g.weights), nhwc(g.dst), g.strides,
                                                                g.pad_left, g.pad_right, fwd);
-    if (paddle_mnist::direct(fwd) && paddle_mnist::direct(data)) return memory::format_tag::nhwc;
+    Geometry image = one_image(g);
+    image.maps = memory::format_tag::nhwc;
+    const auto weights = WeightsByImage::make_pd(image, WeightsByImage::hint_for(image));
+    if (paddle_mnist::direct(fwd) && paddle_mnist::direct(data) && paddle_mnist::direct(weights)) {
+      return memory::format_tag::nhwc;
+    }
   } catch (const dnnl::error&) {
   }
   return memory::format_tag::any;
