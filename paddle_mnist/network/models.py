@@ -106,7 +106,8 @@ class MnistCNN(nn.Layer):
         backward pass; ReLU runs after the pool, on a quarter of the values. With batch norm (where nhwc_norms),
         each convolution is followed by fastpath.batch_norm_nhwc."""
         f = self.features
-        blocks = ((f[0], None, f[2]), (f[3], None, f[5])) if len(f) == 6 else ((f[0], f[1], f[3]), (f[4], f[5], f[7]))
+        norms = self.order == "relu_after_pool"  # features: conv, batch norm, ReLU, pool (else conv, ReLU, pool), twice
+        blocks = ((f[0], f[1], f[3]), (f[4], f[5], f[7])) if norms else ((f[0], None, f[2]), (f[3], None, f[5]))
         for conv, norm, pool in blocks:
             x = conv.blocked(x, conv.weight.shape[0])
             x = x if norm is None else fastpath.batch_norm_nhwc(x, norm)
