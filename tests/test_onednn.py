@@ -188,6 +188,7 @@ OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
 OPS += ("onednn_conv_bn_relu", "onednn_conv_relu_blocked", "onednn_max_pool_blocked", "onednn_concat_blocked")
 OPS += ("onednn_conv2d_grad64", "onednn_conv2d_bias_grad64")  # exact.py's backward passes
 OPS += ("onednn_unblock", "bn_nhwc")  # blocked maps as NCHW; batch norm of NHWC maps (csrc/batch_norm.cc)
+OPS += ("onednn_rows_matmul",)  # exact.py's dense layers (csrc/matmul.cc)
 
 
 class Counted:
@@ -402,6 +403,37 @@ def test_the_blocked_concatenation_gives_paddles_numbers_to_the_bit(op, block):
     paddles = output_and_grads(lambda a, b: paddle.concat([a, b], axis=1), a, b)
     for name, x, y in zip(("output", "first gradient", "second gradient"), ours, paddles):
         np.testing.assert_array_equal(x, y, err_msg=name)
+
+
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 64, 100])
+@pytest.mark.parametrize("transpose_y", [False, True])
+def test_the_rows_product_is_the_product_and_each_row_the_same_bits_anywhere(op, m, transpose_y):
+    """csrc/matmul.cc's onednn_rows_matmul: x @ w (w transposed where asked), a short last block padded, close to
+    the float64 product; each row the same bits alone, in the whole batch and on 1 or 2 threads."""
+    rng = np.random.default_rng(m)
+    k, n = 300, 70  # neither a multiple of a vector's width
+    x = rng.standard_normal((m, k)).astype("float32")
+    w = rng.standard_normal((n, k) if transpose_y else (k, n)).astype("float32")
+    wide = x.astype(np.float64) @ (w.T if transpose_y else w).astype(np.float64)
+    got = {}
+    try:
+        for threads in (1, 2):
+            cpu.set_openmp_threads(threads)
+            got[threads] = op.onednn_rows_matmul(paddle.to_tensor(x), paddle.to_tensor(w), transpose_y, 16).numpy()
+    finally:
+        cpu.set_openmp_threads(1)
+    np.testing.assert_allclose(got[1], wide, rtol=1e-4, atol=1e-4)
+    assert np.array_equal(got[1], got[2])
+    last = op.onednn_rows_matmul(paddle.to_tensor(x[-1:]), paddle.to_tensor(w), transpose_y, 16).numpy()
+    assert np.array_equal(last[0], got[1][-1])
+
+
+def test_a_rows_product_of_shapes_that_do_not_meet_is_refused_in_one_line(op):
+    x, w = paddle.randn([4, 30]), paddle.randn([20, 8])
+    with pytest.raises(OSError, match="x has 30 columns, w does not take them"):
+        op.onednn_rows_matmul(x, w, False, 16)
+    with pytest.raises(OSError, match="rows must be 1 or more, not 0"):
+        op.onednn_rows_matmul(x, paddle.randn([30, 8]), False, 0)
 
 
 def test_maps_of_different_blocks_are_refused_in_one_line(op):

@@ -107,21 +107,28 @@ def _wide(t: paddle.Tensor) -> paddle.Tensor:
     return t.astype("float64")
 
 
-ROWS = 16  # the dense layers' block of rows (cifar_cnn's 1,600 by 512 layer, 64 rows: 2.8 ms forward at 16, 3.4 at 8)
-# Smaller weights multiply in float64 and round once, as fast there as the blocks' several calls: mnist_cnn's 980 by
-# 10 layer (its exact path read 0.97 and 0.96 of float32 at 1x1 and 2x1 so, 0.96 and 0.93 in blocks; Zen 4)
+ROWS = 16  # the dense layers' block of rows: cifar_cnn's 1,600 by 512 layer, 64 rows forward by oneDNN, 0.37 ms on 2
+# threads at 16, 0.33 at 32 (one block a thread at 32 images a worker), 0.49 at 8 (scripts/rows_product.py)
+# Without the oneDNN operators, smaller weights multiply in float64 and round once, as fast as Paddle's blocks there:
+# mnist_cnn's 980 by 10 layer (its exact path read 0.97 and 0.96 of float32 at 1x1 and 2x1 so, 0.96 and 0.93 in
+# blocks; Zen 4). By oneDNN its blocks take 0.02 ms against 0.04 in float64 (1 thread).
 BLOCKS_FROM = 65536
 
 
 def by_rows(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool = False) -> paddle.Tensor:
     """x @ w (w transposed where asked) in float32, one product of ROWS rows at a time (the last block padded with
-    zeros), on one thread: each row's result the same bits in any batch, at any place in it, in a process of any
-    number of threads (tests/test_exact.py). One product of all the rows is not (MKL's order of adding changes with
-    their number), nor is Paddle's batched product of blocks, which it makes one product again. In float64, as
-    before, cifar_cnn's layer took 5.5 ms forward and 4.9 for its input's gradient against 2.8 each (Zen 4, one
-    thread)."""
+    zeros): each row's result the same bits in any batch, at any place in it, in a process of any number of threads
+    (tests/test_exact.py). One product of all the rows is not (a GEMM's order of adding changes with their number),
+    nor is Paddle's batched product of blocks, which it makes one product again. Where the oneDNN operators run, one
+    oneDNN matmul a block, the blocks shared among the process's threads (csrc/matmul.cc); elsewhere one Paddle
+    product a block, on one thread. cifar_cnn's 1,600 by 512 layer, 64 rows forward, on an AMD EPYC with AVX-512 with
+    the trainer's settings: 0.37 ms so on 2 threads, 0.65 on 1, against 1.1 in Paddle's blocks and 0.47 and 1.0
+    for Paddle's one product of all the rows (scripts/rows_product.py)."""
     shape, k = x.shape, x.shape[-1]
     rows = x.reshape([-1, k])
+    if fastpath.can_run(rows) and w.dtype == paddle.float32:
+        y = fastpath.rows_matmul(rows, w, transpose_y, ROWS)
+        return y.reshape([*shape[:-1], y.shape[-1]])
     n = rows.shape[0]
     if n % ROWS:
         rows = paddle.concat([rows, paddle.zeros([ROWS - n % ROWS, k], rows.dtype)])
@@ -134,7 +141,7 @@ def by_rows(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool = False) -> pa
 def _product(x: paddle.Tensor, w: paddle.Tensor, bias=None, transpose_y: bool = False) -> paddle.Tensor:
     """x @ w (w transposed where asked), plus bias where given, each row the same bits in any batch: by_rows, or for
     a small w in float64, the bias added there too, rounded once."""
-    if w.size >= BLOCKS_FROM:
+    if w.size >= BLOCKS_FROM or fastpath.can_run(x):
         y = by_rows(x, w, transpose_y)
         return y if bias is None else y + bias
     y = paddle.matmul(_wide(x), _wide(w), transpose_y=transpose_y)

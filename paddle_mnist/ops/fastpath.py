@@ -113,6 +113,14 @@ def conv2d_grad64(
     return op(x, weight, grad_out, stride, padding, not x.stop_gradient)
 
 
+@paddle.jit.not_to_static
+def rows_matmul(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool, rows: int) -> paddle.Tensor:
+    """x @ w (x 2-D; w transposed where asked) by csrc/matmul.cc where can_run(x): one product of `rows` rows at a
+    time, the blocks shared among the process's threads, each row's result the same bits in any batch, at any place
+    in it, on any number of threads (exact.by_rows)."""
+    return _ops.onednn_rows_matmul(x, w, transpose_y, rows)
+
+
 @paddle.jit.not_to_static  # as it is in paddle.jit.save's trace too: the reshapes keep the batch free
 def add_channel_bias(x: paddle.Tensor, bias: paddle.Tensor) -> paddle.Tensor:
     """x (N, C, H, W) + bias (C,) per channel, broadcast as (N, C, H*W) + (C, 1): the same sums, faster.

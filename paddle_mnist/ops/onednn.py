@@ -45,7 +45,7 @@ from paddle_mnist.ops import fastpath, selfcheck
 
 BACKENDS = ("auto", "onednn", "paddle")
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("onednn_conv.cc", "blocked.cc", "max_pool.cc", "batch_norm.cc"))
+SOURCES = tuple(CSRC / name for name in ("onednn_conv.cc", "blocked.cc", "max_pool.cc", "batch_norm.cc", "matmul.cc"))
 INCLUDES = (CSRC / "onednn_common.h",)  # what the sources include from beside them
 NAME = "cpu_ops"  # the library's name: oneDNN's operators (onednn_conv2d(_bias), the blocked ones) and max_pool2x2
 HEADERS_PACKAGE = "onednn-devel-cpu-gomp"
@@ -128,7 +128,7 @@ def compiler() -> str:
 
 def build_key(include: Path, libs: Path) -> str:
     """Everything a build depends on: the source, Paddle, its libdnnl, the headers, the compiler and Python."""
-    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + INCLUDES))
+    h = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES + INCLUDES) + BUILD_SCRIPT.encode())
     version = (include / "oneapi" / "dnnl" / "dnnl_version.h").read_bytes()
     dnnl = (libs / "libdnnl.so.3").stat()
     commit = getattr(paddle.version, "commit", "")

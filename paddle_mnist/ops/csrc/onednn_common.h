@@ -1,6 +1,7 @@
 // What the oneDNN operators of onednn_conv.cc and blocked.cc share: the CPU engine and stream (one each for the
 // process), plain and chosen memory descriptions, Operand, which moves a buffer between Paddle's layout and the
-// one a primitive chose, and PlanCache, which keeps the primitives made for a shape.
+// one a primitive chose, PlanCache, which keeps the primitives made for a shape, OpenMPThreads, which sets the
+// threads oneDNN makes and runs a primitive for, and Team, which shares a call's work among those threads.
 //
 // The contract with callers: an operator may be called from any thread. A plan holds primitives and layouts only,
 // never a buffer, so two calls may run one plan at once; the buffers a call needs are made for that call and freed
@@ -8,8 +9,11 @@
 
 #pragma once
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -185,6 +189,82 @@ class PlanCache {
   std::mutex mutex_;
   std::list<Entry> order_;
   std::map<Key, typename std::list<Entry>::iterator> index_;
+};
+
+// The OpenMP threads of the calling thread's next parallel regions, which oneDNN reads as it makes and runs a
+// primitive, set to n in every OpenMP runtime loaded (GNU's, which libdnnl.so.3 is linked against, and Intel's,
+// which MKL brings and which can serve oneDNN's calls in its place: runtime/cpu.py's set_openmp_threads sets both too), and
+// restored when this goes out of scope; n <= 0 changes nothing. A runtime that is not loaded is left alone.
+class OpenMPThreads {
+ public:
+  explicit OpenMPThreads(int n) {
+    if (n <= 0) return;
+    for (const char* name : {"libgomp.so.1", "libiomp5.so"}) {
+      void* runtime = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+      if (runtime == nullptr) continue;
+      auto get = reinterpret_cast<int (*)()>(dlsym(runtime, "omp_get_max_threads"));
+      auto set = reinterpret_cast<void (*)(int)>(dlsym(runtime, "omp_set_num_threads"));
+      dlclose(runtime);  // loaded before this library and kept: the functions stay valid
+      if (get == nullptr || set == nullptr) continue;
+      kept_.push_back({set, get()});
+      set(n);
+    }
+  }
+  ~OpenMPThreads() {
+    for (const auto& [set, threads] : kept_) set(threads);
+  }
+
+ private:
+  std::vector<std::pair<void (*)(int), int>> kept_;
+};
+
+// A team of the OpenMP threads oneDNN's kernels run on, through the runtime's GNU interface (GOMP_parallel, which
+// Intel's runtime offers too): Intel's where it is loaded (MKL brings it, and the libdnnl.so.3 of Paddle's wheels
+// then binds its calls to it, before GNU's, which it is linked against), else GNU's. Its threads are the ones
+// already waiting for oneDNN's next kernel; threads of another runtime would compete with them for the cores.
+class Team {
+ public:
+  static const Team& get() {
+    static const Team team;
+    return team;
+  }
+  bool usable() const { return parallel_ && barrier_ && thread_num_ && num_threads_ && max_threads_; }
+  int max_threads() const { return max_threads_(); }
+  // body(thread, threads) on a team of up to n threads; barrier() inside it waits for the team's other threads.
+  void run(int n, const std::function<void(int, int)>& body) const {
+    struct Call {
+      const Team* team;
+      const std::function<void(int, int)>* body;
+    } call{this, &body};
+    parallel_(
+        [](void* data) {
+          const auto* c = static_cast<const Call*>(data);
+          (*c->body)(c->team->thread_num_(), c->team->num_threads_());
+        },
+        &call, static_cast<unsigned>(n), 0);
+  }
+  void barrier() const { barrier_(); }
+
+ private:
+  Team() {
+    for (const char* name : {"libiomp5.so", "libgomp.so.1"}) {
+      void* runtime = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+      if (runtime == nullptr) continue;
+      parallel_ = reinterpret_cast<void (*)(void (*)(void*), void*, unsigned, unsigned)>(
+          dlsym(runtime, "GOMP_parallel"));
+      barrier_ = reinterpret_cast<void (*)()>(dlsym(runtime, "GOMP_barrier"));
+      thread_num_ = reinterpret_cast<int (*)()>(dlsym(runtime, "omp_get_thread_num"));
+      num_threads_ = reinterpret_cast<int (*)()>(dlsym(runtime, "omp_get_num_threads"));
+      max_threads_ = reinterpret_cast<int (*)()>(dlsym(runtime, "omp_get_max_threads"));
+      dlclose(runtime);  // loaded before this library and kept: the functions stay valid
+      if (usable()) return;
+    }
+  }
+  void (*parallel_)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
+  void (*barrier_)() = nullptr;
+  int (*thread_num_)() = nullptr;
+  int (*num_threads_)() = nullptr;
+  int (*max_threads_)() = nullptr;
 };
 
 }  // namespace paddle_mnist

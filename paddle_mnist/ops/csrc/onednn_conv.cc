@@ -11,12 +11,11 @@
 // (PlanCache), so a training step only executes them; a forward pass without one (evaluation) makes them for its
 // call.
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <cstdlib>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -168,33 +167,6 @@ memory::desc with_batch(const Dims& dims, memory::format_tag tag) {
 // for exact.py's sums, on any number of threads: WeightsByImage), as its output and its input's gradient are, and
 // a batch split among workers or micro-batches adds up the same numbers as one process (tests/test_onednn.py).
 
-// The OpenMP threads of the calling thread's next parallel regions, which oneDNN reads as it makes and runs a
-// primitive, set to n in every OpenMP runtime loaded (GNU's, which libdnnl.so.3 is linked against, and Intel's,
-// which MKL brings and which can serve oneDNN's calls in its place: runtime/cpu.py's set_openmp_threads sets both too), and
-// restored when this goes out of scope; n <= 0 changes nothing. A runtime that is not loaded is left alone.
-class OpenMPThreads {
- public:
-  explicit OpenMPThreads(int n) {
-    if (n <= 0) return;
-    for (const char* name : {"libgomp.so.1", "libiomp5.so"}) {
-      void* runtime = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
-      if (runtime == nullptr) continue;
-      auto get = reinterpret_cast<int (*)()>(dlsym(runtime, "omp_get_max_threads"));
-      auto set = reinterpret_cast<void (*)(int)>(dlsym(runtime, "omp_set_num_threads"));
-      dlclose(runtime);  // loaded before this library and kept: the functions stay valid
-      if (get == nullptr || set == nullptr) continue;
-      kept_.push_back({set, get()});
-      set(n);
-    }
-  }
-  ~OpenMPThreads() {
-    for (const auto& [set, threads] : kept_) set(threads);
-  }
-
- private:
-  std::vector<std::pair<void (*)(int), int>> kept_;
-};
-
 struct WeightsByImage {
   explicit WeightsByImage(const Geometry& g) : WeightsByImage(g, OpenMPThreads(g.serial ? 1 : 0)) {}
 
@@ -236,13 +208,15 @@ struct WeightsByImage {
       const memory::desc& diff_dst) {
     using dnnl::convolution_backward_weights;
     const auto direct = dnnl::algorithm::convolution_direct;
+    dnnl::primitive_attr attr;  // each thread that runs it brings its own scratchpad: see sum_by_image
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
     if (image.bias) {
       return convolution_backward_weights::primitive_desc(cpu_engine(), direct, src, any(image.weights),
                                                           bias_desc(image), diff_dst, image.strides, image.pad_left,
-                                                          image.pad_right, hint);
+                                                          image.pad_right, hint, attr);
     }
     return convolution_backward_weights::primitive_desc(cpu_engine(), direct, src, any(image.weights), diff_dst,
-                                                        image.strides, image.pad_left, image.pad_right, hint);
+                                                        image.strides, image.pad_left, image.pad_right, hint, attr);
   }
 
   Geometry image;
@@ -416,39 +390,137 @@ paddle::Tensor forward(const paddle::Tensor& x, const paddle::Tensor& w, const p
   return out;
 }
 
+// One thread's images of a batch (WeightsByImage): each image's weights' gradient (and bias's) into its place of
+// a round's buffers, on the calling thread, through a stream and a scratchpad of its own, so that the threads of a
+// team can run the one primitive at once.
+class ImageRunner {
+ public:
+  ImageRunner(const WeightsByImage& w, const float* src, const float* diff_dst, float* weights, float* bias)
+      : w_(w),
+        src_(src),
+        diff_dst_(diff_dst),
+        weights_(weights),
+        bias_(bias),
+        stream_(cpu_engine()),
+        image_src_(w.pd.src_desc(), cpu_engine(), DNNL_MEMORY_NONE),
+        image_diff_dst_(w.pd.diff_dst_desc(), cpu_engine(), DNNL_MEMORY_NONE),
+        image_weights_(w.pd.diff_weights_desc(), cpu_engine(), DNNL_MEMORY_NONE),
+        image_bias_(bias_desc(w.image), cpu_engine(), DNNL_MEMORY_NONE),
+        scratchpad_(w.pd.scratchpad_desc(), cpu_engine()) {
+    // one argument map for all the images: its memory objects are handles, which move to each image in turn
+    args_ = {{DNNL_ARG_SRC, image_src_},
+             {DNNL_ARG_DIFF_DST, image_diff_dst_},
+             {DNNL_ARG_DIFF_WEIGHTS, image_weights_},
+             {DNNL_ARG_SCRATCHPAD, scratchpad_}};
+    if (bias_ != nullptr) args_[DNNL_ARG_DIFF_BIAS] = image_bias_;
+  }
+
+  // Image `image` of the batch into slot `slot` of the buffers.
+  void run(int64_t image, int64_t slot) {
+    image_src_.set_data_handle(const_cast<float*>(src_ + image * w_.src_floats));
+    image_diff_dst_.set_data_handle(const_cast<float*>(diff_dst_ + image * w_.diff_dst_floats));
+    image_weights_.set_data_handle(weights_ + slot * w_.weights_floats);
+    if (bias_ != nullptr) image_bias_.set_data_handle(bias_ + slot * w_.image.weights[0]);
+    w_.primitive.execute(stream_, args_);
+    stream_.wait();
+  }
+
+ private:
+  const WeightsByImage& w_;
+  const float* src_;
+  const float* diff_dst_;
+  float* weights_;
+  float* bias_;
+  dnnl::stream stream_;
+  memory image_src_, image_diff_dst_, image_weights_, image_bias_, scratchpad_;
+  std::unordered_map<int, memory> args_;
+};
+
+// How many images each thread of a team computes in a round before the round's gradients are added up.
+constexpr int64_t kImagesPerThread = 4;
+
+// Adds slots first to last - 1 of a round's gradients (each `floats` long) to total, in the slots' order, over the
+// elements begin to end - 1.
+void add_slots(const float* slots, int64_t first, int64_t last, size_t floats, size_t begin, size_t end,
+               double* total) {
+  for (int64_t j = first; j < last; ++j) {
+    const float* image = slots + j * floats;
+    for (size_t k = begin; k < end; ++k) total[k] += image[k];
+  }
+}
+
 // The weights' gradient (and the bias's, where bias_sum is given) of a batch, summed image by image in order
 // (WeightsByImage) in double: src and diff_dst hold the batch in the primitive's layouts, image after image, and
 // sum holds the weights' gradient in the layout the primitive chose. Each image's gradient is float32, as oneDNN
 // computes it; their sum in double is exact but for rounding 2^-29 of float32's, so it is the same number in
 // whatever order and grouping the images are added: the gradient of a batch split among workers or micro-batches,
 // added up in double too (exact.py), rounds to the float32 of one process.
+//
+// A serial geometry's images (exact.py's sums), each on one thread, are shared among the process's OpenMP threads,
+// a team of them: in rounds of kImagesPerThread images a thread, each thread its share of the round's images, then
+// each its share of the weights' elements, added up over the round's images in their order. Each element's sum thus
+// adds the same numbers in the same order as on one thread: the same bits on any number of threads (mnist_cnn's
+// exact path on 2 threads read 0.80 of its float32 path with one thread for all the images, 0.92 so). The team is
+// (Team) the one oneDNN's kernels run on, its threads already waiting; the primitive, made for one thread, runs on
+// the thread that calls it. Elsewhere one image at a time runs on the process's threads.
 void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff_dst, std::vector<double>& sum,
                   std::vector<double>* bias_sum, int64_t batch) {
   const float* src_data = static_cast<const float*>(src.get_data_handle());
   const float* diff_dst_data = static_cast<const float*>(diff_dst.get_data_handle());
   const int64_t channels = w.image.weights[0];
-  std::vector<float> one(w.weights_floats), one_bias(bias_sum != nullptr ? channels : 0);
-  sum.assign(w.weights_floats, 0.0);
+  const size_t floats = w.weights_floats;
+  const Team& team = Team::get();
+  const int64_t threads = w.image.serial && team.usable() ? std::min<int64_t>(team.max_threads(), batch) : 1;
+  const int64_t round = threads > 1 ? threads * kImagesPerThread : 1;
+  std::vector<float> weights(round * floats), bias(bias_sum != nullptr ? round * channels : 0);
+  float* bias_data = bias_sum != nullptr ? bias.data() : nullptr;
+  sum.assign(floats, 0.0);
   if (bias_sum != nullptr) bias_sum->assign(channels, 0.0);
-  memory image_src(w.pd.src_desc(), cpu_engine(), DNNL_MEMORY_NONE);
-  memory image_diff_dst(w.pd.diff_dst_desc(), cpu_engine(), DNNL_MEMORY_NONE);
-  memory image_weights(w.pd.diff_weights_desc(), cpu_engine(), one.data());
-  // one argument map for the whole batch: its memory objects are handles, which move to each image in turn
-  std::unordered_map<int, memory> args = {
-      {DNNL_ARG_SRC, image_src}, {DNNL_ARG_DIFF_DST, image_diff_dst}, {DNNL_ARG_DIFF_WEIGHTS, image_weights}};
-  if (bias_sum != nullptr) args[DNNL_ARG_DIFF_BIAS] = memory(bias_desc(w.image), cpu_engine(), one_bias.data());
-  const OpenMPThreads threads(w.image.serial ? 1 : 0);  // see WeightsByImage
   double* total = sum.data();
-  const float* image = one.data();
-  const size_t floats = one.size();
-  for (int64_t i = 0; i < batch; ++i) {
-    image_src.set_data_handle(const_cast<float*>(src_data + i * w.src_floats));
-    image_diff_dst.set_data_handle(const_cast<float*>(diff_dst_data + i * w.diff_dst_floats));
-    w.primitive.execute(cpu_stream(), args);
-    cpu_stream().wait();
-    for (size_t k = 0; k < floats; ++k) total[k] += image[k];
-    for (size_t k = 0; k < one_bias.size(); ++k) (*bias_sum)[k] += one_bias[k];
+  double* bias_total = bias_sum != nullptr ? bias_sum->data() : nullptr;
+  if (threads <= 1) {
+    const OpenMPThreads one(w.image.serial ? 1 : 0);  // see WeightsByImage
+    ImageRunner runner(w, src_data, diff_dst_data, weights.data(), bias_data);
+    for (int64_t i = 0; i < batch; ++i) {
+      runner.run(i, 0);
+      add_slots(weights.data(), 0, 1, floats, 0, floats, total);
+      if (bias_total != nullptr) add_slots(bias_data, 0, 1, channels, 0, channels, bias_total);
+    }
+    return;
   }
+  // An exception may not leave the team's threads, nor a thread skip a barrier the others wait at: a thread that
+  // fails notes the first failure's message and runs no further images; it is thrown after the team ends.
+  std::string failure;
+  std::mutex failure_lock;
+  team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+    const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one (see WeightsByImage)
+    const auto note = [&](const std::exception& e) {
+      std::lock_guard<std::mutex> lock(failure_lock);
+      if (failure.empty()) failure = e.what();
+    };
+    std::unique_ptr<ImageRunner> runner;
+    try {
+      runner = std::make_unique<ImageRunner>(w, src_data, diff_dst_data, weights.data(), bias_data);
+    } catch (const std::exception& e) {
+      note(e);
+    }
+    for (int64_t first = 0; first < batch; first += round) {
+      const int64_t n = std::min(round, batch - first);
+      for (int64_t j = n * t / team_size; runner != nullptr && j < n * (t + 1) / team_size; ++j) {
+        try {
+          runner->run(first + j, j);
+        } catch (const std::exception& e) {
+          note(e);
+          runner.reset();
+        }
+      }
+      team.barrier();
+      add_slots(weights.data(), 0, n, floats, floats * t / team_size, floats * (t + 1) / team_size, total);
+      if (bias_total != nullptr && t == 0) add_slots(bias_data, 0, n, channels, 0, channels, bias_total);
+      team.barrier();
+    }
+  });
+  PD_CHECK(failure.empty(), "onednn_conv2d: the weights' gradient image by image: ", failure);
 }
 
 // Writes sum (in the layout the weights' primitive chose) into Paddle's buffer dst, rounded to float32 (low false),
