@@ -37,7 +37,8 @@ from paddle_mnist.runtime.local_sum import LocalSum
 
 # One rank of a job of LocalSums, in a process of its own: argv is the rank, the world, the segment's path, an
 # output .npz and a deadline; rank 0 creates the segment (its path then written to PATH.created). Three sums of
-# float32 (one of two parts, scaled), one of float64, one max; each rank's values drawn from its own seed.
+# float32 (one of two parts, scaled), one of float64, one max, then two float64 sums rounded into float32 arrays;
+# each rank's values drawn from its own seed.
 RANK = r"""
 import sys, time, numpy as np
 from paddle_mnist.runtime.local_sum import LocalSum
@@ -60,6 +61,11 @@ got["a"], got["b"] = a, b
 got["c"] = s.sum(rng.standard_normal(5000).astype(np.float32))
 got["d"] = s.sum(rng.standard_normal(300))
 got["m"] = s.max(rng.standard_normal(50))
+e, f = rng.standard_normal(400), rng.standard_normal((5, 4))
+kept = e.copy(), f.copy()
+got["e"], got["f"] = np.empty(400, np.float32), np.empty((5, 4), np.float32)
+s.sum_rounded_into([e, f], [got["e"], got["f"]])
+assert np.array_equal(e, kept[0]) and np.array_equal(f, kept[1])  # the parts keep their values
 print("entered", flush=True)
 if len(sys.argv) > 6:  # a sum rank 0 enters and the others never do
     if rank == 0:
@@ -93,20 +99,27 @@ def expected(world: int) -> dict:
         rng = np.random.default_rng(r)
         a, b = rng.standard_normal(1000).astype(np.float32), rng.standard_normal((7, 3)).astype(np.float32)
         c = rng.standard_normal(5000).astype(np.float32)
-        draws.append((a, b, c, rng.standard_normal(300), rng.standard_normal(50)))
+        d, m = rng.standard_normal(300), rng.standard_normal(50)
+        draws.append((a, b, c, d, m, rng.standard_normal(400), rng.standard_normal((5, 4))))
     scale = np.float32(1 / world)
     want = {}
-    for i, key in enumerate("abcdm"):
+    for i, key in enumerate("abcdmef"):
         parts = [d[i] * scale if key in "ab" else d[i] for d in draws]
         total = parts[0].copy()
         for part in parts[1:]:
             total = np.maximum(total, part) if key == "m" else total + part
-        want[key] = total
+        want[key] = total.astype(np.float32) if key in "ef" else total  # added in float64, rounded once
     return want
 
 
-def shm_files() -> set[str]:
-    return {p.name for p in Path(local_sum.DIRECTORY).glob("paddle_mnist-*")}
+def shm_files(procs=None) -> set[str]:
+    """The shared-memory names in the directory; with procs, only those their processes made (each name holds its
+    maker's pid), not another test's running beside this one (pytest -n)."""
+    names = {p.name for p in Path(local_sum.DIRECTORY).glob("paddle_mnist-*")}
+    if procs is None:
+        return names
+    pids = {str(proc.pid) for proc in procs}
+    return {name for name in names if name.split("-")[1] in pids}
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -124,7 +137,7 @@ def test_every_rank_holds_the_sum_in_rank_order_to_the_bit(tmp_path, world):
             assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
             assert got[key].tobytes() == value.tobytes(), f"rank {r}, {key}: not the rank-order sum to the bit"
     # the processes never removed the name (rank 0 of a job does, in distributed.open_local_sum): this test must
-    shm_now = shm_files() - before
+    shm_now = shm_files(ranks) - before
     for name in shm_now:
         os.unlink(Path(local_sum.DIRECTORY) / name)
     assert len(shm_now) == 1, shm_now
@@ -145,7 +158,7 @@ def test_a_rank_killed_while_the_others_wait_is_named_within_two_seconds(tmp_pat
         for proc in (rank_0, rank_1):
             proc.kill()
             proc.wait()
-        for name in shm_files() - before:
+        for name in shm_files((rank_0, rank_1)) - before:
             os.unlink(Path(local_sum.DIRECTORY) / name)
     assert rank_0.returncode != 0
     assert re.search(r"SumTimeout: rank 1 \(pid \d+\) exited while the others waited for it", err), err[-2000:]
@@ -171,7 +184,7 @@ def test_a_stopped_rank_ends_the_wait_at_the_deadline_without_spinning_meanwhile
         for proc in (rank_0, rank_1):
             proc.kill()
             proc.wait()
-        for name in shm_files() - before:
+        for name in shm_files((rank_0, rank_1)) - before:
             os.unlink(Path(local_sum.DIRECTORY) / name)
     assert "SumTimeout: rank 1 did not reach the sum over the workers within 3 s" in err, err[-2000:]
     assert 2.5 < took < 6.0, took

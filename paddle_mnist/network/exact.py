@@ -67,6 +67,9 @@ class Sums:
             # gradient cleared to zero: it already holds the rounded sum (a copy and a cast each the fewer)
             return
         sums = [self.by_param[id(p)][1] for p in trainable]
+        rounded = getattr(all_reduce, "rounded", None)  # runtime/distributed.py's SumEach: the sum and the rounding
+        if rounded is not None and rounded(sums, [p.grad for p in trainable]):  # in one pass, into the gradients
+            return
         if all_reduce is not None:
             all_reduce(sums)
         for p, total in zip(trainable, sums):
