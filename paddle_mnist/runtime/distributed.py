@@ -213,8 +213,7 @@ def sum_each_over_workers(model: paddle.nn.Layer, env: DistEnv) -> SumEach | Non
 
 class SumEach:
     """Called with a list of tensors, sums each over the workers in place: through shared memory the sums land in
-    the tensors' own memory; elsewhere they travel as one buffer, copied back. rounded() sums float64 tensors over
-    the workers into float32 ones."""
+    the tensors' own memory; elsewhere they travel as one buffer, copied back."""
 
     def __init__(self, env: DistEnv) -> None:
         self.env = env
@@ -231,18 +230,8 @@ class SumEach:
         local_sum.write_back(tensors, flat.numpy())
 
     def rounded(self, sums: list[paddle.Tensor], targets: list[paddle.Tensor]) -> bool:
-        """Each of sums (float64) summed over the workers and rounded once into its target (float32, the same
-        shape), the same bits as a sum in place then a cast, in one pass over shared memory where that carries
-        them (cifar_cnn's 7 MB of float64 sums a step: exact.py); False, having done nothing, elsewhere."""
-        local = self.env.carrier.local
-        if local is None or not local.fits(sum(t.size * t.element_size() for t in sums)):
-            return False
-        views = [local_sum.numpy_view(t) for t in sums]
-        outs = [local_sum.numpy_view(t) for t in targets]
-        if any(v is None for v in views + outs):
-            return False
-        local.sum_rounded_into(views, outs)
-        return True
+        """local_sum.sum_rounded over the job's shared memory: float64 sums into float32 targets, or False."""
+        return local_sum.sum_rounded(self.env.carrier.local, sums, targets)
 
 
 def _sum_in_place(t: paddle.Tensor, env: DistEnv) -> None:
