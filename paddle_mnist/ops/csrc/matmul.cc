@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -130,17 +129,10 @@ std::vector<paddle::Tensor> RowsMatmul(const paddle::Tensor& x, const paddle::Te
     for (int64_t b = 0; b < blocks; ++b) runner.run(b);
     return {out};
   }
-  std::string failure;  // an exception may not leave the team's threads: the first one's message, thrown after
-  std::mutex failure_lock;
-  team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
-    try {
-      const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one
-      BlockRunner runner(*plan, x_data, w_data, out_data, m);
-      for (int64_t b = blocks * t / team_size; b < blocks * (t + 1) / team_size; ++b) runner.run(b);
-    } catch (const std::exception& e) {
-      std::lock_guard<std::mutex> lock(failure_lock);
-      if (failure.empty()) failure = e.what();
-    }
+  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+    const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one
+    BlockRunner runner(*plan, x_data, w_data, out_data, m);
+    for (int64_t b = blocks * t / team_size; b < blocks * (t + 1) / team_size; ++b) runner.run(b);
   });
   PD_CHECK(failure.empty(), "onednn_rows_matmul: ", failure);
   return {out};

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <list>
 #include <map>
@@ -231,17 +232,28 @@ class Team {
   bool usable() const { return parallel_ && barrier_ && thread_num_ && num_threads_ && max_threads_; }
   int max_threads() const { return max_threads_(); }
   // body(thread, threads) on a team of up to n threads; barrier() inside it waits for the team's other threads.
-  void run(int n, const std::function<void(int, int)>& body) const {
+  // An exception may not leave a thread of the team: one out of body ends that thread's part (a body with barriers
+  // must let one out only after its last, where the others would wait for it), and the first one's message is
+  // returned once the team ends; empty where none was.
+  std::string run(int n, const std::function<void(int, int)>& body) const {
     struct Call {
       const Team* team;
       const std::function<void(int, int)>* body;
-    } call{this, &body};
+      std::mutex lock;
+      std::string failure;
+    } call{this, &body, {}, {}};
     parallel_(
         [](void* data) {
-          const auto* c = static_cast<const Call*>(data);
-          (*c->body)(c->team->thread_num_(), c->team->num_threads_());
+          auto* c = static_cast<Call*>(data);
+          try {
+            (*c->body)(c->team->thread_num_(), c->team->num_threads_());
+          } catch (const std::exception& e) {
+            std::lock_guard<std::mutex> lock(c->lock);
+            if (c->failure.empty()) c->failure = e.what();
+          }
         },
         &call, static_cast<unsigned>(n), 0);
+    return call.failure;
   }
   void barrier() const { barrier_(); }
 

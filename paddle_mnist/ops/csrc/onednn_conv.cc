@@ -15,7 +15,7 @@
 #include <cstdlib>
 
 #include <memory>
-#include <mutex>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -488,21 +488,15 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
     }
     return;
   }
-  // An exception may not leave the team's threads, nor a thread skip a barrier the others wait at: a thread that
-  // fails notes the first failure's message and runs no further images; it is thrown after the team ends.
-  std::string failure;
-  std::mutex failure_lock;
-  team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
     const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one (see WeightsByImage)
-    const auto note = [&](const std::exception& e) {
-      std::lock_guard<std::mutex> lock(failure_lock);
-      if (failure.empty()) failure = e.what();
-    };
+    // a thread that fails runs no further images but meets the others at every barrier, and throws after the last
+    std::string failed;
     std::unique_ptr<ImageRunner> runner;
     try {
       runner = std::make_unique<ImageRunner>(w, src_data, diff_dst_data, weights.data(), bias_data);
     } catch (const std::exception& e) {
-      note(e);
+      failed = e.what();
     }
     for (int64_t first = 0; first < batch; first += round) {
       const int64_t n = std::min(round, batch - first);
@@ -510,7 +504,7 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
         try {
           runner->run(first + j, j);
         } catch (const std::exception& e) {
-          note(e);
+          failed = e.what();
           runner.reset();
         }
       }
@@ -519,6 +513,7 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
       if (bias_total != nullptr && t == 0) add_slots(bias_data, 0, n, channels, 0, channels, bias_total);
       team.barrier();
     }
+    if (!failed.empty()) throw std::runtime_error(failed);
   });
   PD_CHECK(failure.empty(), "onednn_conv2d: the weights' gradient image by image: ", failure);
 }
