@@ -118,6 +118,8 @@ def test_an_images_results_do_not_depend_on_the_batch_around_it(op, geometry, bi
         assert np.array_equal(batch[k], summed.astype(np.float32)), name  # rounded once
         assert wide[k - 1].dtype == np.float64, name
         np.testing.assert_allclose(wide[k - 1], summed, rtol=2.0**-46, atol=0, err_msg=f"{name} in float64")
+        rounded = wide[k - 1 + len(params)]  # after the float64 sums, the same rounded to float32
+        assert np.array_equal(rounded, wide[k - 1].astype(np.float32)), f"{name} rounded"
 
 
 def grad64(op, x, grad, params, stride, padding) -> list[np.ndarray]:
@@ -186,9 +188,10 @@ def test_views_reach_the_operators_as_whole_tensors(op, through):
 
 OPS = ("onednn_conv2d", "onednn_conv2d_bias", "max_pool2x2")
 OPS += ("onednn_conv_bn_relu", "onednn_conv_relu_blocked", "onednn_max_pool_blocked", "onednn_concat_blocked")
+OPS += ("onednn_max_pool_relu_blocked",)  # a pool and the ReLU before it (mnist_cnn's, cifar_cnn's)
 OPS += ("onednn_conv2d_grad64", "onednn_conv2d_bias_grad64")  # exact.py's backward passes
 OPS += ("onednn_unblock", "bn_nhwc")  # blocked maps as NCHW; batch norm of NHWC maps (csrc/batch_norm.cc)
-OPS += ("onednn_rows_matmul",)  # exact.py's dense layers (csrc/matmul.cc)
+OPS += ("onednn_rows_matmul", "onednn_dense_backward")  # exact.py's dense layers (csrc/matmul.cc)
 
 
 class Counted:
@@ -210,11 +213,11 @@ class Counted:
 # pools and concatenations in the blocked layout (csrc/blocked.cc; mnist_cnn's and cifar_cnn's pools too)
 MODELS = [
     # their maps NHWC from the first convolution on, which adds mnist_cnn's bias
-    ("mnist_cnn", (1, 28, 28), {"onednn_conv2d_bias": 2, "onednn_max_pool_blocked": 2, "onednn_unblock": 1}),
+    ("mnist_cnn", (1, 28, 28), {"onednn_conv2d_bias": 2, "onednn_max_pool_relu_blocked": 2, "onednn_unblock": 1}),
     (
         "mnist_cnn_bn_fc",
         (1, 28, 28),
-        {"onednn_conv2d": 2, "bn_nhwc": 2, "onednn_max_pool_blocked": 2, "onednn_unblock": 1},
+        {"onednn_conv2d": 2, "bn_nhwc": 2, "onednn_max_pool_relu_blocked": 2, "onednn_unblock": 1},
     ),
     (
         "minigooglenet",
@@ -222,7 +225,7 @@ MODELS = [
         {"onednn_conv_bn_relu": 19, "onednn_max_pool_blocked": 2, "onednn_concat_blocked": 10},
     ),
     # its maps blocked
-    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "onednn_max_pool_blocked": 2, "onednn_unblock": 1}),
+    ("cifar_cnn", (3, 32, 32), {"onednn_conv2d_bias": 4, "onednn_max_pool_relu_blocked": 2, "onednn_unblock": 1}),
     # blocked from its first module on, the global max-pool included
     ("cifar_fast", (3, 32, 32), {"onednn_conv_bn_relu": 7, "onednn_max_pool_blocked": 4}),
 ]
@@ -434,6 +437,46 @@ def test_a_rows_product_of_shapes_that_do_not_meet_is_refused_in_one_line(op):
         op.onednn_rows_matmul(x, w, False, 16)
     with pytest.raises(OSError, match="rows must be 1 or more, not 0"):
         op.onednn_rows_matmul(x, paddle.randn([30, 8]), False, 0)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(64, 980, 10), (37, 301, 256), (17, 300, 250)])
+def test_the_dense_backward_sums_each_gradient_over_the_rows_in_order_in_float64(op, m, k, n):
+    """csrc/matmul.cc's onednn_dense_backward: the weights' and the bias's gradients are the float64 sums over the
+    rows, added in the rows' order (the same bits as that loop here, on 1 and 2 threads), and their float32
+    roundings; the input's gradient is the rows product's, to the bit, and zeros where none is asked. The shapes:
+    mnist_cnn's classifier (fewer than 32 outputs: the product transposed), a gradient written in place with a
+    short last tile, and one padded; the last two large enough to be shared among the threads."""
+    rng = np.random.default_rng(k)
+    x, w, g = (rng.standard_normal(shape).astype("float32") for shape in ((m, k), (k, n), (m, n)))
+    wide_w, wide_b = np.zeros((k, n)), np.zeros(n)
+    for r in range(m):  # float32 products are exact in float64: only the order of the adds decides the bits
+        wide_w += np.outer(x[r].astype(np.float64), g[r].astype(np.float64))
+        wide_b += g[r]
+    got = {}
+    try:
+        for threads in (1, 2):
+            cpu.set_openmp_threads(threads)
+            outs = op.onednn_dense_backward(paddle.to_tensor(x), paddle.to_tensor(w), paddle.to_tensor(g), True, 16)
+            got[threads] = [t.numpy() for t in outs]
+    finally:
+        cpu.set_openmp_threads(1)
+    grad_x, grad_w, grad_b, rounded_w, rounded_b = got[1]
+    np.testing.assert_array_equal(grad_w, wide_w)
+    np.testing.assert_array_equal(grad_b, wide_b)
+    np.testing.assert_array_equal(rounded_w, wide_w.astype("float32"))
+    np.testing.assert_array_equal(rounded_b, wide_b.astype("float32"))
+    rows = op.onednn_rows_matmul(paddle.to_tensor(g), paddle.to_tensor(w), True, 16).numpy()
+    np.testing.assert_array_equal(grad_x, rows)
+    for a, b in zip(got[1], got[2]):
+        np.testing.assert_array_equal(a, b)
+    unasked = op.onednn_dense_backward(paddle.to_tensor(x), paddle.to_tensor(w), paddle.to_tensor(g), False, 16)
+    assert not unasked[0].numpy().any()
+    np.testing.assert_array_equal(unasked[1].numpy(), wide_w)
+
+
+def test_a_dense_backward_of_shapes_that_do_not_meet_is_refused_in_one_line(op):
+    with pytest.raises(OSError, match=r"x \[4, 30\], w \[30, 8\] and the output's gradient \[5, 8\] do not fit"):
+        op.onednn_dense_backward(paddle.randn([4, 30]), paddle.randn([30, 8]), paddle.randn([5, 8]), True, 16)
 
 
 def test_maps_of_different_blocks_are_refused_in_one_line(op):
@@ -916,7 +959,7 @@ def test_cifar_cnns_blocked_maps_train_and_evaluate_its_nchw_numbers_to_the_bit(
             net.train()
             results.append((logits.numpy(), [p.grad.numpy() for p in net.parameters()], evaluated))
             if held_blocked:
-                assert counted.calls["onednn_max_pool_blocked"] == 4 and counted.calls["max_pool2x2"] == 0
+                assert counted.calls["onednn_max_pool_relu_blocked"] == 4 and counted.calls["max_pool2x2"] == 0
                 assert counted.calls["onednn_conv2d_bias_grad64"] == (4 if sums == "float64" else 0)
     finally:
         fastpath.use(op)

@@ -97,13 +97,14 @@ def collecting() -> bool:
     return _sums is not None
 
 
-def hand_over(param: paddle.Tensor, grad: paddle.Tensor) -> paddle.Tensor | None:
-    """The float64 gradient to the step's Sums; its float32 rounding to autograd (Sums.gradients replaces it)."""
+def hand_over(param: paddle.Tensor, grad: paddle.Tensor, rounded: paddle.Tensor | None = None) -> paddle.Tensor | None:
+    """The float64 gradient to the step's Sums; its float32 rounding (`rounded` where the operator gave it) to
+    autograd (Sums.gradients replaces it)."""
     if param.stop_gradient:
         return None
     if _sums is not None:
         _sums.add(param, grad)
-    return grad.astype("float32")
+    return grad.astype("float32") if rounded is None else rounded
 
 
 def _wide(t: paddle.Tensor) -> paddle.Tensor:
@@ -152,12 +153,25 @@ def _product(x: paddle.Tensor, w: paddle.Tensor, bias=None, transpose_y: bool = 
 
 
 def _dense_backward(ctx, grad_out) -> tuple:
-    """(the input's gradient, the weights', the float64 output gradient) of x @ weight, the weights' handed over."""
-    (x,), weight = ctx.saved_tensor(), ctx.weight
-    g, k = _wide(grad_out), x.shape[-1]
+    """(the input's gradient, the weights', the bias's) of x @ weight + bias, the weights' and the bias's handed
+    over: by one operator where it runs (fastpath.dense_backward), else by Paddle's in float64."""
+    (x,), weight, bias = ctx.saved_tensor(), ctx.weight, ctx.bias
+    k, n = x.shape[-1], grad_out.shape[-1]
+    if fastpath.can_run(x) and weight.dtype == paddle.float32:
+        rows, g = x.reshape([-1, k]), grad_out.reshape([-1, n])
+        grad_x, grad_w, grad_b, rounded_w, rounded_b = fastpath.dense_backward(
+            rows, weight, g, not x.stop_gradient, ROWS
+        )
+        grad_x = None if x.stop_gradient else grad_x.reshape(x.shape)
+        return (
+            grad_x,
+            hand_over(weight, grad_w, rounded_w),
+            None if bias is None else hand_over(bias, grad_b, rounded_b),
+        )
+    g = _wide(grad_out).reshape([-1, n])
     grad_x = None if x.stop_gradient else _product(grad_out, weight, transpose_y=True)
-    grad_w = paddle.matmul(_wide(x).reshape([-1, k]), g.reshape([-1, g.shape[-1]]), transpose_x=True)
-    return grad_x, hand_over(weight, grad_w), g
+    grad_w = paddle.matmul(_wide(x).reshape([-1, k]), g, transpose_x=True)
+    return grad_x, hand_over(weight, grad_w), None if bias is None else hand_over(bias, g.sum(axis=0))
 
 
 class _Linear(PyLayer):
@@ -169,21 +183,19 @@ class _Linear(PyLayer):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_w, g = _dense_backward(ctx, grad_out)
-        return grad_x, grad_w, hand_over(ctx.bias, g.reshape([-1, g.shape[-1]]).sum(axis=0))
+        return _dense_backward(ctx, grad_out)
 
 
 class _LinearNoBias(PyLayer):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x)
-        ctx.weight = weight
+        ctx.weight, ctx.bias = weight, None
         return _product(x, weight)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_w, _ = _dense_backward(ctx, grad_out)
-        return grad_x, grad_w
+        return _dense_backward(ctx, grad_out)[:2]
 
 
 class _ChannelBias(PyLayer):
@@ -210,8 +222,8 @@ class _Conv2D(PyLayer):
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensor(), ctx.weight
-        grad_x, grad_w = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
-        return (None if x.stop_gradient else grad_x), hand_over(weight, grad_w)
+        grad_x, grad_w, rounded_w = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=False)
+        return (None if x.stop_gradient else grad_x), hand_over(weight, grad_w, rounded_w)
 
 
 class _Conv2DBias(PyLayer):
@@ -224,8 +236,11 @@ class _Conv2DBias(PyLayer):
     @staticmethod
     def backward(ctx, grad_out):
         (x,), weight = ctx.saved_tensor(), ctx.weight
-        grad_x, grad_w, grad_b = fastpath.conv2d_grad64(x, weight, grad_out, *ctx.geometry, bias=True)
-        return (None if x.stop_gradient else grad_x), hand_over(weight, grad_w), hand_over(ctx.bias, grad_b)
+        grad_x, grad_w, grad_b, rounded_w, rounded_b = fastpath.conv2d_grad64(
+            x, weight, grad_out, *ctx.geometry, bias=True
+        )
+        grad_x = None if x.stop_gradient else grad_x
+        return grad_x, hand_over(weight, grad_w, rounded_w), hand_over(ctx.bias, grad_b, rounded_b)
 
 
 def linear(x: paddle.Tensor, weight: paddle.Tensor, bias: paddle.Tensor | None) -> paddle.Tensor:

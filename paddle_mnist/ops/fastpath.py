@@ -108,7 +108,8 @@ def conv2d_grad64(
     x: paddle.Tensor, weight: paddle.Tensor, grad_out: paddle.Tensor, stride: int, padding: int, bias: bool
 ) -> list[paddle.Tensor]:
     """conv2d's backward pass where can_run(x): the input's gradient in float32, the weights' (and the bias's) summed
-    over the batch in float64 (exact.py adds them up over micro-batches and workers before it rounds them)."""
+    over the batch in float64 (exact.py adds them up over micro-batches and workers before it rounds them), then
+    those rounded to float32."""
     op = _ops.onednn_conv2d_bias_grad64 if bias else _ops.onednn_conv2d_grad64
     return op(x, weight, grad_out, stride, padding, not x.stop_gradient)
 
@@ -119,6 +120,14 @@ def rows_matmul(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool, rows: int
     time, the blocks shared among the process's threads, each row's result the same bits in any batch, at any place
     in it, on any number of threads (exact.by_rows)."""
     return _ops.onednn_rows_matmul(x, w, transpose_y, rows)
+
+
+@paddle.jit.not_to_static
+def dense_backward(x: paddle.Tensor, w: paddle.Tensor, grad_out: paddle.Tensor, input_grad: bool, rows: int) -> list:
+    """A dense layer's backward pass where can_run(x), x [m, k], w [k, n], grad_out [m, n] (csrc/matmul.cc): the
+    input's gradient as rows_matmul(grad_out, w, True, rows) gives it (zeros where input_grad is false), the weights'
+    and the bias's gradients summed over the rows in float64, and those two rounded to float32."""
+    return _ops.onednn_dense_backward(x, w, grad_out, input_grad, rows)
 
 
 @paddle.jit.not_to_static  # as it is in paddle.jit.save's trace too: the reshapes keep the batch free
@@ -214,9 +223,11 @@ def conv_relu_folded(
 
 
 @paddle.jit.not_to_static
-def max_pool_blocked(x: paddle.Tensor, kernel: int, stride: int, ops=None) -> paddle.Tensor:
-    """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/B, H, W, B] (no padding, floor mode), by oneDNN."""
-    return (ops or _ops).onednn_max_pool_blocked(x, kernel, stride)[0]
+def max_pool_blocked(x: paddle.Tensor, kernel: int, stride: int, ops=None, relu: bool = False) -> paddle.Tensor:
+    """F.max_pool2d(x, kernel, stride) of a blocked map [N, C/B, H, W, B] (no padding, floor mode), by oneDNN; with
+    relu, F.relu of it, in the same operator (and one gradient operator)."""
+    op = (ops or _ops).onednn_max_pool_relu_blocked if relu else (ops or _ops).onednn_max_pool_blocked
+    return op(x, kernel, stride)[0]
 
 
 @paddle.jit.not_to_static

@@ -15,6 +15,8 @@
 //                             and bias (by the caller), ReLU as its post-op; no gradient, no plan kept
 //   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2,
 //                             cifar_fast's 2x2/2 and its global max-pool, a window of the whole map)
+//   onednn_max_pool_relu_blocked
+//                             the same, then ReLU (mnist_cnn's blocks: relu(max) = max(relu), to the bit)
 //   onednn_concat_blocked     two blocked maps joined on channels (each part holds whole blocks); its gradient is
 //                             split in place from the output's
 //   onednn_unblock            a blocked map as NCHW, by oneDNN's reorder, its gradient blocked again (Paddle's
@@ -424,6 +426,40 @@ std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::
   return {grad_x};
 }
 
+// relu(max-pool): the pool, then ReLU in place on its output (v > 0 ? v : 0, as Paddle's). mnist_cnn's blocks
+// run ReLU after the pool (relu(max) = max(relu), to the bit): one operator for the two, forward and backward.
+// p[i] = y[i] > 0 ? g[i] : 0 for n values (p may be y and g: ReLU in place); both read unconditionally, so that
+// each clone runs it in vectors.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void where_positive(const float* y, const float* g,
+                                                                                   float* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float yi = y[i], gi = g[i];
+    p[i] = yi > 0.0f ? gi : 0.0f;
+  }
+}
+
+std::vector<paddle::Tensor> PoolReluForward(const paddle::Tensor& x, int kernel, int stride) {
+  std::vector<paddle::Tensor> out = PoolForward(x, kernel, stride);
+  float* y = out[0].data<float>();
+  where_positive(y, y, y, out[0].numel());
+  return out;
+}
+
+// The gradient passes where the output is positive (elsewhere 0), then back through the pool.
+std::vector<paddle::Tensor> PoolReluBackward(const paddle::Tensor& x, const paddle::Tensor& ws,
+                                             const paddle::Tensor& out, const paddle::Tensor& grad_out, int kernel,
+                                             int stride) {
+  check_float(grad_out, "onednn_max_pool_relu_blocked", "the output's gradient");
+  PD_CHECK(out.numel() == grad_out.numel(), "onednn_max_pool_relu_blocked: the output's gradient has ",
+           grad_out.numel(), " values for an output of ", out.numel());
+  auto passed = empty(grad_out.shape());
+  const float* y = out.data<float>();
+  const float* g = grad_out.data<float>();
+  float* p = passed.data<float>();
+  where_positive(y, g, p, out.numel());
+  return PoolBackward(x, ws, passed, kernel, stride);
+}
+
 // ---- two blocked maps joined on channels ----
 
 struct Concat {
@@ -605,6 +641,20 @@ PD_BUILD_GRAD_OP(onednn_max_pool_blocked)
     .Outputs({paddle::Grad("X")})
     .Attrs({"kernel: int", "stride: int"})
     .SetKernelFn(PD_KERNEL(PoolBackward));
+
+PD_BUILD_OP(onednn_max_pool_relu_blocked)
+    .Inputs({"X"})
+    .Outputs({"Out", "Workspace"})
+    .Attrs({"kernel: int", "stride: int"})
+    .SetKernelFn(PD_KERNEL(PoolReluForward))
+    .SetInferShapeFn(PD_INFER_SHAPE(PoolInferShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(PoolInferDtype));
+
+PD_BUILD_GRAD_OP(onednn_max_pool_relu_blocked)
+    .Inputs({"X", "Workspace", "Out", paddle::Grad("Out")})
+    .Outputs({paddle::Grad("X")})
+    .Attrs({"kernel: int", "stride: int"})
+    .SetKernelFn(PD_KERNEL(PoolReluBackward));
 
 PD_BUILD_OP(onednn_concat_blocked)
     .Inputs({"A", "B"})

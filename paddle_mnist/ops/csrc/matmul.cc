@@ -96,46 +96,196 @@ class BlockRunner {
   std::unordered_map<int, memory> args_;
 };
 
-constexpr int64_t kSharedFrom = 65536;  // weights of at least this many values share their blocks
+constexpr int64_t kSharedFrom = 65536;  // weights of at least this many values share their work
+
+// The number of the process's OpenMP threads a product of k by n weights shares its `parts` parts among: 1 for a
+// small one, which runs on the calling thread, where waking the team costs more than it saves (mnist_cnn's 980 by
+// 10 layer, 64 rows: 0.021 ms on one thread, 0.043 shared by 2; scripts/rows_product.py).
+int64_t sharing_threads(const Team& team, int64_t k, int64_t n, int64_t parts) {
+  return team.usable() && k * n >= kSharedFrom ? std::min<int64_t>(team.max_threads(), parts) : 1;
+}
+
+// out = x @ w (w [n, k] where transpose, else [k, n]), m rows, one block of `rows` at a time (see the top).
+void rows_product(const float* x, const float* w, float* out, int64_t m, int64_t k, int64_t n, bool transpose,
+                  int64_t rows, const char* op) {
+  if (m == 0) return;
+  static PlanCache<Shape, Plan> plans;
+  const Shape shape{rows, k, n, transpose};
+  const auto plan = plans.find_or_make(shape, true, [&] { return std::make_shared<const Plan>(shape); });
+  const int64_t blocks = (m + rows - 1) / rows;
+  const Team& team = Team::get();
+  const int64_t threads = sharing_threads(team, k, n, blocks);
+  if (threads <= 1) {
+    const OpenMPThreads one(1);
+    BlockRunner runner(*plan, x, w, out, m);
+    for (int64_t b = 0; b < blocks; ++b) runner.run(b);
+    return;
+  }
+  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+    const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one
+    BlockRunner runner(*plan, x, w, out, m);
+    for (int64_t b = blocks * t / team_size; b < blocks * (t + 1) / team_size; ++b) runner.run(b);
+  });
+  PD_CHECK(failure.empty(), op, ": ", failure);
+}
+
+void check_2d_float(const paddle::Tensor& t, const char* op, const char* what) {
+  PD_CHECK(t.is_cpu() && t.dtype() == paddle::DataType::FLOAT32 && t.shape().size() == 2, op, ": ", what,
+           " must be a 2-D float32 CPU tensor");
+}
 
 std::vector<paddle::Tensor> RowsMatmul(const paddle::Tensor& x, const paddle::Tensor& w, bool transpose_y,
                                        int rows) {
-  PD_CHECK(x.is_cpu() && w.is_cpu(), "onednn_rows_matmul: x and w must be on the CPU");
-  PD_CHECK(x.dtype() == paddle::DataType::FLOAT32 && w.dtype() == paddle::DataType::FLOAT32,
-           "onednn_rows_matmul: x and w must be float32");
-  PD_CHECK(x.shape().size() == 2 && w.shape().size() == 2, "onednn_rows_matmul: x and w must have 2 dimensions");
+  check_2d_float(x, "onednn_rows_matmul", "x");
+  check_2d_float(w, "onednn_rows_matmul", "w");
   PD_CHECK(rows >= 1, "onednn_rows_matmul: rows must be 1 or more, not ", rows);
   const int64_t m = x.shape()[0], k = x.shape()[1];
   const int64_t n = transpose_y ? w.shape()[0] : w.shape()[1];
   PD_CHECK((transpose_y ? w.shape()[1] : w.shape()[0]) == k, "onednn_rows_matmul: x has ", k,
            " columns, w does not take them");
   auto out = paddle::empty({m, n}, paddle::DataType::FLOAT32, paddle::CPUPlace());
-  if (m == 0) return {out};
-  static PlanCache<Shape, Plan> plans;
-  const Shape shape{rows, k, n, transpose_y};
-  const auto plan = plans.find_or_make(shape, true, [&] { return std::make_shared<const Plan>(shape); });
-  const float* x_data = x.data<float>();
-  const float* w_data = w.data<float>();
-  float* out_data = out.data<float>();
-  const int64_t blocks = (m + rows - 1) / rows;
-  const Team& team = Team::get();
-  // a small product on the calling thread: waking the team costs more than it saves (mnist_cnn's 980 by 10 layer,
-  // 64 rows: 0.021 ms on one thread, 0.043 shared by 2; scripts/rows_product.py)
-  const bool small = k * n < kSharedFrom;
-  const int64_t threads = team.usable() && !small ? std::min<int64_t>(team.max_threads(), blocks) : 1;
-  if (threads <= 1) {
-    const OpenMPThreads one(1);
-    BlockRunner runner(*plan, x_data, w_data, out_data, m);
-    for (int64_t b = 0; b < blocks; ++b) runner.run(b);
-    return {out};
-  }
-  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
-    const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one
-    BlockRunner runner(*plan, x_data, w_data, out_data, m);
-    for (int64_t b = blocks * t / team_size; b < blocks * (t + 1) / team_size; ++b) runner.run(b);
-  });
-  PD_CHECK(failure.empty(), "onednn_rows_matmul: ", failure);
+  rows_product(x.data<float>(), w.data<float>(), out.data<float>(), m, k, n, transpose_y, rows,
+               "onednn_rows_matmul");
   return {out};
+}
+
+// Eight doubles, as GCC's vector extension lowers them for the processor the clone is for (one AVX-512 register,
+// two AVX2 ones, four SSE2 ones); loaded from and stored to any double's address.
+typedef double Lanes __attribute__((vector_size(64), aligned(8)));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kTileOutputs = 4;          // a tile's outputs (columns of the weights' gradient) ...
+constexpr int64_t kTileVectors = 4;          // ... by its inputs, in vectors of kLanes: 16 sums, held in registers
+constexpr int64_t kTileInputs = kTileVectors * kLanes;
+
+// The weights' gradient x^T @ grad_out as a product a^T @ b of two operands in double, each [m, ...], padded
+// with zeros to whole tiles: a's columns are broadcast, b's run in vectors. With n of at least kTileInputs outputs, a
+// is x and b grad_out, and the product is the gradient itself, [k, n]; with fewer, a is grad_out and b x, and the
+// product is its transpose, [n, k] (a tile then runs whole vectors, not mostly zeros). A float32 times a float32 is
+// exact in double, so a fused multiply-add rounds as a multiply then an add would: each clone below gives the same
+// bits, and each sum adds the rows in their order whatever the tiles and threads.
+struct Operands {
+  Operands(const float* x, const float* g, int64_t m, int64_t k, int64_t n)
+      : m(m), transposed(n < kTileInputs) {
+    const float *a_data = transposed ? g : x, *b_data = transposed ? x : g;
+    a_cols = transposed ? n : k;
+    b_cols = transposed ? k : n;
+    a_padded = (a_cols + kTileOutputs - 1) / kTileOutputs * kTileOutputs;
+    b_padded = (b_cols + kTileInputs - 1) / kTileInputs * kTileInputs;
+    a.assign(m * a_padded, 0.0);
+    b.assign(m * b_padded, 0.0);
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(a_data + r * a_cols, a_data + (r + 1) * a_cols, a.begin() + r * a_padded);
+      std::copy(b_data + r * b_cols, b_data + (r + 1) * b_cols, b.begin() + r * b_padded);
+    }
+  }
+  int64_t m;
+  bool transposed;
+  int64_t a_cols, b_cols, a_padded, b_padded;
+  std::vector<double> a, b;
+};
+
+// The rows of tiles first_tile to last_tile - 1 of a^T @ b ([a_padded, b_padded]) into out, from its start: row i,
+// column j, the sum over the rows r, in their order, of a[r, i] * b[r, j].
+__attribute__((target_clones("avx512f", "avx2", "default"))) void product_rows(const Operands& p, int64_t first_tile,
+                                                                                 int64_t last_tile, double* out) {
+  for (int64_t i0 = first_tile * kTileOutputs; i0 < last_tile * kTileOutputs; i0 += kTileOutputs) {
+    for (int64_t j0 = 0; j0 < p.b_padded; j0 += kTileInputs) {
+      Lanes acc[kTileOutputs][kTileVectors] = {};
+      for (int64_t r = 0; r < p.m; ++r) {
+        const double* ar = p.a.data() + r * p.a_padded + i0;
+        const Lanes* br = reinterpret_cast<const Lanes*>(p.b.data() + r * p.b_padded + j0);
+#pragma GCC unroll 4
+        for (int64_t o = 0; o < kTileOutputs; ++o) {
+#pragma GCC unroll 4
+          for (int64_t v = 0; v < kTileVectors; ++v) acc[o][v] += br[v] * ar[o];
+        }
+      }
+#pragma GCC unroll 4
+      for (int64_t o = 0; o < kTileOutputs; ++o) {
+        Lanes* row = reinterpret_cast<Lanes*>(out + (i0 - first_tile * kTileOutputs + o) * p.b_padded + j0);
+#pragma GCC unroll 4
+        for (int64_t v = 0; v < kTileVectors; ++v) row[v] = acc[o][v];
+      }
+    }
+  }
+}
+
+// A dense layer's backward pass for network/exact.py: x [m, k] its input, w [k, n] its weights, grad_out [m, n].
+// The input's gradient grad_out @ w^T in float32, `rows` rows at a time as onednn_rows_matmul gives it (zeros
+// where input_grad is false); the weights' gradient x^T @ grad_out [k, n] and the bias's, grad_out's column sums,
+// each summed over the rows in their order in double, and each rounded to float32 once: one operator for what took
+// seven of Paddle's (two casts to float64, a float64 product, a sum, two casts back and the rows product).
+std::vector<paddle::Tensor> DenseBackward(const paddle::Tensor& x, const paddle::Tensor& w,
+                                        const paddle::Tensor& grad_out, bool input_grad, int rows) {
+  const char* op = "onednn_dense_backward";
+  check_2d_float(x, op, "x");
+  check_2d_float(w, op, "w");
+  check_2d_float(grad_out, op, "the output's gradient");
+  PD_CHECK(rows >= 1, op, ": rows must be 1 or more, not ", rows);
+  const int64_t m = x.shape()[0], k = x.shape()[1], n = w.shape()[1];
+  PD_CHECK(w.shape()[0] == k && grad_out.shape()[0] == m && grad_out.shape()[1] == n, op, ": x [", m, ", ", k,
+           "], w [", w.shape()[0], ", ", n, "] and the output's gradient [", grad_out.shape()[0], ", ",
+           grad_out.shape()[1], "] do not fit");
+  const auto f32 = paddle::DataType::FLOAT32, f64 = paddle::DataType::FLOAT64;
+  auto grad_x = input_grad ? paddle::empty({m, k}, f32, paddle::CPUPlace())
+                           : paddle::full({m, k}, 0.0, f32, paddle::CPUPlace());
+  if (input_grad) rows_product(grad_out.data<float>(), w.data<float>(), grad_x.data<float>(), m, n, k, true, rows, op);
+  auto grad_w = paddle::empty({k, n}, f64, paddle::CPUPlace());
+  auto grad_w32 = paddle::empty({k, n}, f32, paddle::CPUPlace());
+  auto grad_b = paddle::empty({n}, f64, paddle::CPUPlace());
+  auto grad_b32 = paddle::empty({n}, f32, paddle::CPUPlace());
+  const float* g = grad_out.data<float>();
+  const Operands operands(x.data<float>(), g, m, k, n);
+  double* w64 = grad_w.data<double>();
+  const bool in_place = !operands.transposed && operands.b_padded == n;  // the product is the gradient: no copy
+  std::vector<double> product(in_place ? 0 : operands.a_padded * operands.b_padded);
+  double* out = in_place ? w64 : product.data();
+  // the padded rows of a (x's last columns) past k: written to a scratch tile, not past the gradient's end
+  const int64_t whole = in_place ? k / kTileOutputs : operands.a_padded / kTileOutputs;
+  const Team& team = Team::get();
+  const int64_t threads = sharing_threads(team, k, n, whole);
+  if (threads <= 1) {
+    product_rows(operands, 0, whole, out);
+  } else {
+    const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+      const int64_t first = whole * t / team_size;
+      product_rows(operands, first, whole * (t + 1) / team_size, out + first * kTileOutputs * operands.b_padded);
+    });
+    PD_CHECK(failure.empty(), op, ": ", failure);
+  }
+  if (in_place && whole * kTileOutputs < k) {
+    std::vector<double> last(kTileOutputs * operands.b_padded);
+    product_rows(operands, whole, whole + 1, last.data());
+    std::copy(last.begin(), last.begin() + (k - whole * kTileOutputs) * n, w64 + whole * kTileOutputs * n);
+  }
+  float* w32 = grad_w32.data<float>();
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (!in_place) {
+        w64[i * n + j] = operands.transposed ? product[j * operands.b_padded + i] : product[i * operands.b_padded + j];
+      }
+      w32[i * n + j] = static_cast<float>(w64[i * n + j]);
+    }
+  }
+  double* b64 = grad_b.data<double>();
+  float* b32 = grad_b32.data<float>();
+  for (int64_t j = 0; j < n; ++j) b64[j] = 0.0;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < n; ++j) b64[j] += g[r * n + j];
+  }
+  for (int64_t j = 0; j < n; ++j) b32[j] = static_cast<float>(b64[j]);
+  return {grad_x, grad_w, grad_b, grad_w32, grad_b32};
+}
+
+std::vector<std::vector<int64_t>> DenseBackwardShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
+                                                    const std::vector<int64_t>& grad_out) {
+  return {x, w, {w.back()}, w, {w.back()}};
+}
+
+std::vector<paddle::DataType> DenseBackwardDtype(const paddle::DataType& x, const paddle::DataType& w,
+                                               const paddle::DataType& grad_out) {
+  const auto f32 = paddle::DataType::FLOAT32, f64 = paddle::DataType::FLOAT64;
+  return {f32, f64, f64, f32, f32};
 }
 
 std::vector<std::vector<int64_t>> RowsMatmulShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
@@ -143,10 +293,6 @@ std::vector<std::vector<int64_t>> RowsMatmulShape(const std::vector<int64_t>& x,
   PD_CHECK(x.size() == 2 && w.size() == 2, "onednn_rows_matmul: x and w must have 2 dimensions");
   return {{x[0], transpose_y ? w[0] : w[1]}};
 }
-
-// Eight doubles, as GCC's vector extension lowers them for the processor the clone is for (one AVX-512 register,
-// two AVX2 ones, four SSE2 ones); loaded from and stored to any double's address.
-typedef double Lanes __attribute__((vector_size(64), aligned(8)));
 
 }  // namespace
 
@@ -157,3 +303,11 @@ PD_BUILD_OP(onednn_rows_matmul)
     .SetKernelFn(PD_KERNEL(RowsMatmul))
     .SetInferShapeFn(PD_INFER_SHAPE(RowsMatmulShape));
 
+
+PD_BUILD_OP(onednn_dense_backward)
+    .Inputs({"X", "W", "GradOut"})
+    .Outputs({"GradX", "GradW", "GradB", "GradW32", "GradB32"})
+    .Attrs({"input_grad: bool", "rows: int"})
+    .SetKernelFn(PD_KERNEL(DenseBackward))
+    .SetInferShapeFn(PD_INFER_SHAPE(DenseBackwardShape))
+    .SetInferDtypeFn(PD_INFER_DTYPE(DenseBackwardDtype));

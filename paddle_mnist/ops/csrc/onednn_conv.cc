@@ -183,8 +183,31 @@ struct WeightsByImage {
         diff_dst_layout(image_layout(pd.diff_dst_desc())),
         src_floats(pd.src_desc().get_size() / sizeof(float)),
         diff_dst_floats(pd.diff_dst_desc().get_size() / sizeof(float)),
-        weights_floats(pd.diff_weights_desc().get_size() / sizeof(float)) {
+        weights_floats(pd.diff_weights_desc().get_size() / sizeof(float)),
+        weights_runs(value_runs(image.weights, pd.diff_weights_desc())) {
     note_kernel(pd);
+  }
+
+  // Where the weights' values lie in the chosen layout, as runs (first float, count) in order: a layout blocked by
+  // 16 channels holds 20 of them padded to 32 (mnist_cnn's second convolution: 25,600 floats for 10,000 values), and
+  // the padding, zeros, need no adding up. Found by reordering ones from the plain layout into a zeroed buffer.
+  static std::vector<std::pair<size_t, size_t>> value_runs(const Dims& weights, const memory::desc& chosen) {
+    const memory::desc plain(weights, memory::data_type::f32, memory::format_tag::oihw);
+    std::vector<float> ones(plain.get_size() / sizeof(float), 1.0f);
+    std::vector<float> marked(chosen.get_size() / sizeof(float), 0.0f);
+    memory from(plain, cpu_engine(), ones.data()), to(chosen, cpu_engine(), marked.data());
+    dnnl::reorder(from, to).execute(cpu_stream(), from, to);
+    cpu_stream().wait();
+    std::vector<std::pair<size_t, size_t>> runs;
+    for (size_t k = 0; k < marked.size(); ++k) {
+      if (marked[k] == 0.0f) continue;
+      if (!runs.empty() && runs.back().first + runs.back().second == k) {
+        ++runs.back().second;
+      } else {
+        runs.emplace_back(k, 1);
+      }
+    }
+    return runs;
   }
 
   static dnnl::convolution_forward::primitive_desc hint_for(const Geometry& g) {
@@ -225,6 +248,7 @@ struct WeightsByImage {
   dnnl::convolution_backward_weights primitive;
   memory::format_tag src_layout, diff_dst_layout;  // of the batch: pd's layouts, image after image
   size_t src_floats, diff_dst_floats, weights_floats;  // one image's input and output gradient, the weights' gradient
+  std::vector<std::pair<size_t, size_t>> weights_runs;  // where in weights_floats the values lie (value_runs)
 };
 
 // The backward-data primitive of one geometry, the weights' (by image) and their operands.
@@ -440,12 +464,19 @@ class ImageRunner {
 constexpr int64_t kImagesPerThread = 4;
 
 // Adds slots first to last - 1 of a round's gradients (each `floats` long) to total, in the slots' order, over the
-// elements begin to end - 1.
-void add_slots(const float* slots, int64_t first, int64_t last, size_t floats, size_t begin, size_t end,
-               double* total) {
+// elements of runs begin to end - 1 (WeightsByImage::value_runs). Each element's sum adds the same numbers in the
+// same order in every clone.
+using Run = std::pair<size_t, size_t>;
+__attribute__((target_clones("avx512f", "avx2", "default"))) void add_slots(const float* slots, int64_t first,
+                                                                              int64_t last, size_t floats,
+                                                                              const Run* runs, size_t begin,
+                                                                              size_t end, double* total) {
   for (int64_t j = first; j < last; ++j) {
     const float* image = slots + j * floats;
-    for (size_t k = begin; k < end; ++k) total[k] += image[k];
+    for (size_t r = begin; r < end; ++r) {
+      const size_t from = runs[r].first, to = runs[r].first + runs[r].second;
+      for (size_t k = from; k < to; ++k) total[k] += image[k];
+    }
   }
 }
 
@@ -469,6 +500,8 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
   const float* diff_dst_data = static_cast<const float*>(diff_dst.get_data_handle());
   const int64_t channels = w.image.weights[0];
   const size_t floats = w.weights_floats;
+  const std::vector<Run>& runs = w.weights_runs;
+  const Run bias_run(0, channels);
   const Team& team = Team::get();
   const int64_t threads = w.image.serial && team.usable() ? std::min<int64_t>(team.max_threads(), batch) : 1;
   const int64_t round = threads > 1 ? threads * kImagesPerThread : 1;
@@ -483,8 +516,8 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
     ImageRunner runner(w, src_data, diff_dst_data, weights.data(), bias_data);
     for (int64_t i = 0; i < batch; ++i) {
       runner.run(i, 0);
-      add_slots(weights.data(), 0, 1, floats, 0, floats, total);
-      if (bias_total != nullptr) add_slots(bias_data, 0, 1, channels, 0, channels, bias_total);
+      add_slots(weights.data(), 0, 1, floats, runs.data(), 0, runs.size(), total);
+      if (bias_total != nullptr) add_slots(bias_data, 0, 1, channels, &bias_run, 0, 1, bias_total);
     }
     return;
   }
@@ -509,8 +542,9 @@ void sum_by_image(const WeightsByImage& w, const memory& src, const memory& diff
         }
       }
       team.barrier();
-      add_slots(weights.data(), 0, n, floats, floats * t / team_size, floats * (t + 1) / team_size, total);
-      if (bias_total != nullptr && t == 0) add_slots(bias_data, 0, n, channels, 0, channels, bias_total);
+      add_slots(weights.data(), 0, n, floats, runs.data(), runs.size() * t / team_size,
+                runs.size() * (t + 1) / team_size, total);
+      if (bias_total != nullptr && t == 0) add_slots(bias_data, 0, n, channels, &bias_run, 0, 1, bias_total);
       team.barrier();
     }
     if (!failed.empty()) throw std::runtime_error(failed);
@@ -561,31 +595,35 @@ std::vector<paddle::Tensor> backward(const paddle::Tensor& x, const paddle::Tens
                x.shape()[0]);
   const auto type = wide ? paddle::DataType::FLOAT64 : paddle::DataType::FLOAT32;
   auto grad_w = paddle::empty(w.shape(), type, paddle::CPUPlace());
+  paddle::Tensor rounded_w;  // wide: grad_w rounded to float32, what autograd gets (exact.py's hand_over)
   if (wide) {
     auto high = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
     auto low = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
     write_weights(p.weights_diff_weights, sum, high.data<float>(), false);
     write_weights(p.weights_diff_weights, sum, low.data<float>(), true);
     cpu_stream().wait();
+    rounded_w = paddle::empty(w.shape(), paddle::DataType::FLOAT32, paddle::CPUPlace());
     double* out = grad_w.data<double>();  // the pointers fetched once: data<T>() checks the tensor at each call
+    float* rounded = rounded_w.data<float>();
     const float* high_data = high.data<float>();
     const float* low_data = low.data<float>();
     for (int64_t k = 0, n = grad_w.numel(); k < n; ++k) {
       out[k] = static_cast<double>(high_data[k]) + static_cast<double>(low_data[k]);
+      rounded[k] = static_cast<float>(out[k]);
     }
   } else {
     write_weights(p.weights_diff_weights, sum, grad_w.data<float>(), false);
   }
   paddle::Tensor grad_x = input_gradient(p, x, w, grad_out, diff_dst, input_grad);
+  if (!bias && wide) return {grad_x, grad_w, rounded_w};
   if (!bias) return {grad_x, grad_w};
   auto grad_b = paddle::empty({w.shape()[0]}, type, paddle::CPUPlace());
-  if (wide) {
-    std::copy(bias_sum.begin(), bias_sum.end(), grad_b.data<double>());
-  } else {
-    float* out = grad_b.data<float>();
-    for (size_t k = 0; k < bias_sum.size(); ++k) out[k] = static_cast<float>(bias_sum[k]);
-  }
-  return {grad_x, grad_w, grad_b};
+  auto rounded_b = paddle::empty({w.shape()[0]}, paddle::DataType::FLOAT32, paddle::CPUPlace());
+  float* out = (wide ? rounded_b : grad_b).data<float>();
+  for (size_t k = 0; k < bias_sum.size(); ++k) out[k] = static_cast<float>(bias_sum[k]);
+  if (!wide) return {grad_x, grad_w, grad_b};
+  std::copy(bias_sum.begin(), bias_sum.end(), grad_b.data<double>());
+  return {grad_x, grad_w, grad_b, rounded_w, rounded_b};
 }
 
 }  // namespace
@@ -673,27 +711,28 @@ std::vector<paddle::Tensor> ConvBiasGrad64(const paddle::Tensor& x, const paddle
 
 std::vector<std::vector<int64_t>> Grad64InferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                                    const std::vector<int64_t>& grad_out) {
-  return {x, w};
+  return {x, w, w};
 }
 
 std::vector<std::vector<int64_t>> BiasGrad64InferShape(const std::vector<int64_t>& x, const std::vector<int64_t>& w,
                                                        const std::vector<int64_t>& grad_out) {
-  return {x, w, {w[0]}};
+  return {x, w, {w[0]}, w, {w[0]}};
 }
 
 std::vector<paddle::DataType> Grad64InferDtype(const paddle::DataType& x, const paddle::DataType& w,
                                                const paddle::DataType& grad_out) {
-  return {x, paddle::DataType::FLOAT64};
+  return {x, paddle::DataType::FLOAT64, x};
 }
 
 std::vector<paddle::DataType> BiasGrad64InferDtype(const paddle::DataType& x, const paddle::DataType& w,
                                                    const paddle::DataType& grad_out) {
-  return {x, paddle::DataType::FLOAT64, paddle::DataType::FLOAT64};
+  return {x, paddle::DataType::FLOAT64, paddle::DataType::FLOAT64, x, x};
 }
 
+// Outputs: the input's gradient, the weights' (and the bias's) in float64, then those rounded to float32.
 PD_BUILD_OP(onednn_conv2d_grad64)
     .Inputs({"X", "W", "GradOut"})
-    .Outputs({"GradX", "GradW"})
+    .Outputs({"GradX", "GradW", "GradW32"})
     .Attrs({"stride: int", "padding: int", "input_grad: bool"})
     .SetKernelFn(PD_KERNEL(ConvGrad64))
     .SetInferShapeFn(PD_INFER_SHAPE(Grad64InferShape))
@@ -701,7 +740,7 @@ PD_BUILD_OP(onednn_conv2d_grad64)
 
 PD_BUILD_OP(onednn_conv2d_bias_grad64)
     .Inputs({"X", "W", "GradOut"})
-    .Outputs({"GradX", "GradW", "GradB"})
+    .Outputs({"GradX", "GradW", "GradB", "GradW32", "GradB32"})
     .Attrs({"stride: int", "padding: int", "input_grad: bool"})
     .SetKernelFn(PD_KERNEL(ConvBiasGrad64))
     .SetInferShapeFn(PD_INFER_SHAPE(BiasGrad64InferShape))
