@@ -6,12 +6,13 @@
 The trainer runs as a user runs it, one process of --threads threads, 64 images a step, on Fashion-MNIST's 1x28x28
 (or, with --data-dir DIR, a class folder such as the CIFAR-10 JPEG copy's 3x32x32), with --profile-steps over
 --steps steps after 40 unrecorded ones: paddle.profiler's trace gives each top-level operator's time
-(training/profiling.py's operator_times). PyTorch runs scripts/bench_torch.py's mirror of the same
-layers in channels_last with the same SGD under torch.profiler, after 40 unrecorded steps. Each operator is put in a
-row (convolutions forward and backward, batch norm, ReLU, pools, dense layers, the loss, the optimizer); "between
-and around the operators" is the step's wall time, as each profiler recorded it, less the rows above it: Python,
-dispatch, allocation, and the trainer's own work per step (its data, its sums). A profiled step runs slower than
-an unprofiled one; the table's last line gives both contenders' unprofiled rate from the same runs' logs.
+(training/profiling.py's operator_times). PyTorch runs scripts/bench_torch.py's mirror of the same layers in
+channels_last with the same SGD under torch.profiler, after 40 unrecorded steps, on the same images. Each operator
+is put in a row (convolutions forward and backward, batch norm, ReLU, pools, dense layers, the loss, the
+optimizer); "between and around the operators" is the step's wall time, as each profiler recorded it, less the rows
+above it: Python, dispatch, allocation, and the trainer's own work per step (its data, its sums). A profiled step
+runs slower than an unprofiled one; the table's last line gives both contenders' unprofiled rate from the same
+runs' logs.
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ ROWS = (  # (row, patterns of Paddle's operator names, of PyTorch's), matched in
     (FORWARD_UNRECORDED, ("conv2d", "pool2d"), ("mkldnn_convolution", "aten::convolution", "max_pool2d_with_indices")),
     ("convolution backward", ("conv2d", "PyLayer__Conv2D"), ("convolution_backward",)),
     ("batch norm forward", ("batch_norm", "bn_"), ("native_batch_norm",)),
-    ("batch norm backward", ("BatchNormGrad", "_GlobalNorm"), ("native_batch_norm_backward",)),
+    ("batch norm backward", ("BatchNormGrad", "_GlobalNorm", "bn_nhwc_grad"), ("native_batch_norm_backward",)),
     ("ReLU forward", ("relu",), ("clamp_min", "relu")),
     ("ReLU backward", ("ReluGrad",), ("threshold_backward",)),
     (
         "max-pool backward",
-        ("max_pool2x2_grad", "max_pool_blocked_grad", "Pool2dGrad", "max_pool2d_with_index_grad"),
+        # the MNIST models' and cifar_cnn's pools run with the ReLU before them, and its gradient, inside
+        (
+            "max_pool2x2_grad",
+            "max_pool_blocked_grad",
+            "max_pool_relu_blocked_grad",
+            "Pool2dGrad",
+            "max_pool2d_with_index_grad",
+        ),
         ("max_pool2d_with_indices_backward",),
     ),
     ("dense layers (forward, backward)", ("matmul", "Matmul", "_Linear"), ("addmm", "aten::mm", "aten::t")),
@@ -92,16 +100,24 @@ def torch_part(args) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     sys.path.insert(0, str(REPO))
-    from scripts.bench_torch import LR, MOMENTUM, PER_WORKER, WEIGHT_DECAY, torch_net
+    import numpy as np
+
+    from scripts.bench_torch import LR, MOMENTUM, PER_WORKER, WEIGHT_DECAY, torch_net, training_images
 
     torch.set_num_threads(args.threads)
-    shape = tuple(json.loads(args.shape))
     layout = torch.channels_last
+    # the trainer's images, normalised as it normalises them: PyTorch's ReLU and max-pool kernels branch on the
+    # values, and ran its step 1.7 times slower on random normal inputs than on Fashion-MNIST's (mnist_cnn, 1 thread)
+    images, labels, mean, std = training_images(args.cache)
+    mean = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
+    batches = [slice(k * PER_WORKER, (k + 1) * PER_WORKER) for k in range(4)]
+    xs = [torch.from_numpy((images[b].astype(np.float32) / 255 - mean) / std) for b in batches]
+    xs = [x.contiguous(memory_format=layout) for x in xs]
+    ys = [torch.from_numpy(labels[b]) for b in batches]
     torch.manual_seed(0)
-    net = torch_net(args.model, shape).to(memory_format=layout)
+    net = torch_net(args.model, tuple(images.shape[1:])).to(memory_format=layout)
     opt = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
-    xs = [torch.randn(PER_WORKER, *shape).contiguous(memory_format=layout) for _ in range(4)]
-    ys = [torch.randint(0, 10, (PER_WORKER,)) for _ in range(4)]
 
     def step(i: int) -> None:
         loss = torch.nn.functional.cross_entropy(net(xs[i % 4]), ys[i % 4])
@@ -191,7 +207,7 @@ def main() -> int:
         q.add_argument("--model", default="mnist_cnn_bn_fc")
         q.add_argument("--threads", type=int, default=1)
         q.add_argument("--steps", type=int, default=40, help="recorded steps")
-    w.add_argument("--shape", required=True)
+    w.add_argument("--cache", help="the folder's decoded cache (bench_torch.folder_cache); Fashion-MNIST without")
     p.add_argument("--torch-python", help="a Python with torch (required)")
     p.add_argument("--data-dir", type=Path, help="a class folder (CIFAR-10's JPEG copy) for the CIFAR models")
     p.add_argument("--env", action="append", default=[], help="NAME=VALUE for the trainer's runs (repeatable)")
@@ -208,10 +224,13 @@ def main() -> int:
         name, _, value = item.partition("=")
         env[name] = value
     data = ["--dataset", "folder", "--data-dir", str(args.data_dir)] if args.data_dir else []
-    shape = [3, 32, 32] if args.data_dir else [1, 28, 28]
     paddle_side = trainer_part(args.model, args.threads, args.steps, data, env)
     cmd = [args.torch_python, "-m", "scripts.op_table", "torch", "--model", args.model, "--threads", str(args.threads)]
-    cmd += ["--steps", str(args.steps), "--shape", json.dumps(shape)]
+    cmd += ["--steps", str(args.steps)]
+    if args.data_dir:
+        from scripts.bench_torch import folder_cache
+
+        cmd += ["--cache", str(folder_cache(args.data_dir))]
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"PyTorch's side failed:\n{proc.stderr[-2000:]}")

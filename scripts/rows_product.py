@@ -6,8 +6,9 @@
 For each weight shape (inputs x outputs), 64 rows, each thread count: Paddle's one float32 product of all the rows
 (what the float32 path runs, not the same bits in every batch), by_rows in Paddle's blocks (one thread, the path
 without the oneDNN operators), and csrc/matmul.cc's blocks by oneDNN shared among the threads at each --rows (the
-forward product, then the input's gradient's, x @ w and g @ w^T). The process takes the trainer's CPU settings
-(runtime/cpu.py) first.
+forward product, then the input's gradient's, x @ w and g @ w^T); then the exact backward pass (the input's
+gradient, the weights' and the bias's in float64 and rounded) by Paddle's operators and by onednn_dense_backward.
+The process takes the trainer's CPU settings (runtime/cpu.py) first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,21 @@ def timed(f, *args, rounds: int) -> float:
         f(*args)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def paddles_backward(x, w, g):
+    """The dense layer's exact backward pass as Paddle's operators ran it before onednn_dense_backward: the input's
+    gradient by the rows product, the weights' and the bias's in float64, then rounded to float32."""
+    import paddle
+
+    from paddle_mnist.network import exact
+    from paddle_mnist.ops import fastpath
+
+    grad_x = fastpath.rows_matmul(g, w, True, exact.ROWS)
+    wide = g.astype("float64")
+    grad_w = paddle.matmul(x.astype("float64"), wide, transpose_x=True)
+    grad_b = wide.sum(axis=0)
+    return grad_x, grad_w, grad_b, grad_w.astype("float32"), grad_b.astype("float32")
 
 
 def main() -> int:
@@ -66,6 +82,9 @@ def main() -> int:
                 forward = timed(fastpath.rows_matmul, x, w, False, rows, rounds=rounds)
                 backward = timed(fastpath.rows_matmul, g, w, True, rows, rounds=rounds)
                 row.append(f"oneDNN blocks of {rows} {forward:.3f}, {backward:.3f};")
+            paddles = timed(paddles_backward, x, w, g, rounds=rounds)
+            ours = timed(fastpath.dense_backward, x, w, g, True, exact.ROWS, rounds=rounds)
+            row.append(f"the backward pass by Paddle's operators {paddles:.3f}, by onednn_dense_backward {ours:.3f}")
             print(" ".join(row))
     return 0
 
