@@ -893,6 +893,38 @@ def test_the_operators_take_and_give_nhwc_maps(op, channels, side):
         np.testing.assert_array_equal(a, e)
 
 
+@pytest.mark.parametrize("block", [8, 16, 20])
+@pytest.mark.parametrize("side", [28, 15])
+def test_the_pool_with_relu_gives_paddles_relu_then_pool_to_the_bit(op, block, side):
+    """onednn_max_pool_relu_blocked, 2x2 of stride 2 (its own loops), on maps blocked by 8, 16 or all 20 channels:
+    the output and input gradient of F.relu then F.max_pool2d, to the bit, with ties (halves, zeros among them),
+    negative windows and odd sides, on 1 and 2 threads; a 3x3 window (oneDNN's pool, then ReLU) too. (A NaN is where
+    the two orders part: ReLU first makes it 0.)"""
+    rng = np.random.default_rng(side + block)
+    channels = 20 if block == 20 else 32
+    values = np.round(rng.normal(size=(3, channels, side, side)) * 2).astype("float32") / 2
+    values[0, 1, :4, :4] = -1.5  # windows all negative: no input takes the gradient
+    maps = paddle.to_tensor(values)
+    for k, s in ((2, 2), (3, 2)):
+        ours = output_and_grads(
+            lambda m, k=k, s=s: fastpath.unblock(op.onednn_max_pool_relu_blocked(blocked(m, block), k, s)[0]), maps
+        )
+        paddles = output_and_grads(lambda m, k=k, s=s: F.max_pool2d(F.relu(m), k, s), maps)
+        for name, a, e in zip(("output", "input gradient"), ours, paddles):
+            np.testing.assert_array_equal(a, e, err_msg=f"{name}, {k}x{k}")
+
+    def pooled(m):
+        return fastpath.unblock(op.onednn_max_pool_relu_blocked(blocked(m, block), 2, 2)[0])
+
+    try:  # the planes shared among 2 threads: the same bits
+        cpu.set_openmp_threads(2)
+        shared = output_and_grads(pooled, maps)
+    finally:
+        cpu.set_openmp_threads(1)
+    for a, e in zip(shared, output_and_grads(pooled, maps)):
+        np.testing.assert_array_equal(a, e)
+
+
 @pytest.mark.parametrize("offset", [0.0, 300.0])
 def test_batch_norm_of_nhwc_maps_gives_paddles(op, offset):
     """bn_nhwc (mnist_cnn_bn's batch norm in training, its maps NHWC): Paddle's batch norm's output and gradients,

@@ -16,7 +16,8 @@
 //   onednn_max_pool_blocked   max-pool of a blocked map, no padding, floor mode (the downsample modules' 3x3/2,
 //                             cifar_fast's 2x2/2 and its global max-pool, a window of the whole map)
 //   onednn_max_pool_relu_blocked
-//                             the same, then ReLU (mnist_cnn's blocks: relu(max) = max(relu), to the bit)
+//                             the same, then ReLU (mnist_cnn's and cifar_cnn's blocks: relu(max) = max(relu), to
+//                             the bit); 2x2 windows of stride 2 by loops of its own, branch-free
 //   onednn_concat_blocked     two blocked maps joined on channels (each part holds whole blocks); its gradient is
 //                             split in place from the output's
 //   onednn_unblock            a blocked map as NCHW, by oneDNN's reorder, its gradient blocked again (Paddle's
@@ -25,8 +26,14 @@
 // MiniGoogLeNet's global average pool is a mean over H and W (in Paddle). The primitives of a shape are kept by its first
 // backward pass (PlanCache in onednn_common.h); the buffers a call needs are made for it.
 
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+#include <functional>
 #include <initializer_list>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <unordered_map>
@@ -426,8 +433,10 @@ std::vector<paddle::Tensor> PoolBackward(const paddle::Tensor& x, const paddle::
   return {grad_x};
 }
 
-// relu(max-pool): the pool, then ReLU in place on its output (v > 0 ? v : 0, as Paddle's). mnist_cnn's blocks
-// run ReLU after the pool (relu(max) = max(relu), to the bit): one operator for the two, forward and backward.
+// relu(max-pool): mnist_cnn's blocks and cifar_cnn's run ReLU after the pool (relu(max) = max(relu), to the bit):
+// one operator for the two, forward and backward. Their pools, 2x2 of stride 2, run by the loops below
+// (pool_relu_2x2), which write the gradient of each input once; other windows run by oneDNN's pooling, then ReLU.
+
 // p[i] = y[i] > 0 ? g[i] : 0 for n values (p may be y and g: ReLU in place); both read unconditionally, so that
 // each clone runs it in vectors.
 __attribute__((target_clones("avx512f", "avx2", "default"))) void where_positive(const float* y, const float* g,
@@ -438,11 +447,120 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void where_positive
   }
 }
 
+constexpr uint8_t kNoInput = 255;  // the mask of a window none of whose inputs takes the gradient (its maximum NaN)
+
+// Four floats and four ints (GCC's vector extension: a comparison gives a lane mask, ?: chooses lane by lane).
+typedef float F4 __attribute__((vector_size(16)));
+typedef int32_t I4 __attribute__((vector_size(16)));
+inline F4 load4(const float* p) {
+  F4 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store4(float* p, F4 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// A blocked map as planes of h x w pixels of b floats each ([N, C/B, H, W, B]: N * C/B planes; b a multiple of
+// 4), its planes first to last - 1 pooled 2x2 with stride 2 (floor mode), then ReLU: y = relu(max), and mask =
+// which of the window's inputs (0 to 3, row by row) the gradient goes to, the first equal to the maximum, as
+// Paddle's max-pool and csrc/max_pool.cc compare: from -FLT_MAX, max = (max > v ? max : v). No branch: each lane
+// chooses, four channels at a time.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void pool_relu_2x2(const float* x, float* y,
+                                                                                  uint8_t* mask, int64_t first,
+                                                                                  int64_t last, int64_t h,
+                                                                                  int64_t w, int64_t b) {
+  const int64_t out_h = h / 2, out_w = w / 2;
+  const F4 lowest = {-FLT_MAX, -FLT_MAX, -FLT_MAX, -FLT_MAX}, zero = {0, 0, 0, 0};
+  const I4 none = {kNoInput, kNoInput, kNoInput, kNoInput};
+  const I4 index[4] = {{0, 0, 0, 0}, {1, 1, 1, 1}, {2, 2, 2, 2}, {3, 3, 3, 3}};
+  for (int64_t p = first; p < last; ++p) {
+    for (int64_t i = 0; i < out_h; ++i) {
+      for (int64_t j = 0; j < out_w; ++j) {
+        const float* v0 = x + ((p * h + 2 * i) * w + 2 * j) * b;
+        const float* rows[4] = {v0, v0 + b, v0 + w * b, v0 + w * b + b};
+        const int64_t at = ((p * out_h + i) * out_w + j) * b;
+        for (int64_t k = 0; k < b; k += 4) {
+          const F4 a[4] = {load4(rows[0] + k), load4(rows[1] + k), load4(rows[2] + k), load4(rows[3] + k)};
+          F4 m = lowest;
+          for (int q = 0; q < 4; ++q) m = m > a[q] ? m : a[q];
+          I4 first = none;
+          for (int q = 3; q >= 0; --q) first = a[q] == m ? index[q] : first;
+          store4(y + at + k, m > zero ? m : zero);
+          for (int q = 0; q < 4; ++q) mask[at + k + q] = static_cast<uint8_t>(first[q]);
+        }
+      }
+    }
+  }
+}
+
+// Its gradient: each window's output gradient (as 0 + g, Paddle's sum) to the input the mask names where the
+// output is positive, 0 to every other input, the rows and columns no window covers included.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void unpool_relu_2x2(const float* g, const float* y,
+                                                                                    const uint8_t* mask, float* gx,
+                                                                                    int64_t first, int64_t last,
+                                                                                    int64_t h, int64_t w, int64_t b) {
+  const int64_t out_h = h / 2, out_w = w / 2;
+  const F4 zero = {0, 0, 0, 0};
+  for (int64_t p = first; p < last; ++p) {
+    for (int64_t i = 0; i < out_h; ++i) {
+      for (int64_t j = 0; j < out_w; ++j) {
+        float* v0 = gx + ((p * h + 2 * i) * w + 2 * j) * b;
+        float* rows[4] = {v0, v0 + b, v0 + w * b, v0 + w * b + b};
+        const int64_t at = ((p * out_h + i) * out_w + j) * b;
+        for (int64_t k = 0; k < b; k += 4) {
+          const F4 passed = load4(y + at + k) > zero ? zero + load4(g + at + k) : zero;
+          const uint8_t* m = mask + at + k;
+          const I4 first = {m[0], m[1], m[2], m[3]};
+          for (int q = 0; q < 4; ++q) {
+            const I4 here = {q, q, q, q};
+            store4(rows[q] + k, first == here ? passed : zero);
+          }
+        }
+      }
+      if (w % 2 != 0) std::fill_n(gx + ((p * h + 2 * i) * w + w - 1) * b, b, 0.0f);
+      if (w % 2 != 0) std::fill_n(gx + ((p * h + 2 * i + 1) * w + w - 1) * b, b, 0.0f);
+    }
+    if (h % 2 != 0) std::fill_n(gx + (p * h + h - 1) * w * b, w * b, 0.0f);
+  }
+}
+
+// body(first, last) over the planes 0 to planes - 1: shared among the process's OpenMP team (the threads oneDNN's
+// kernels run on, already waiting) where it has more than one thread; each plane's values are the same either way.
+void over_planes(int64_t planes, const char* op, const std::function<void(int64_t, int64_t)>& body) {
+  const Team& team = Team::get();
+  const int64_t threads = team.usable() ? std::min<int64_t>(team.max_threads(), planes) : 1;
+  if (threads <= 1) {
+    body(0, planes);
+    return;
+  }
+  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+    body(planes * t / team_size, planes * (t + 1) / team_size);
+  });
+  PD_CHECK(failure.empty(), op, ": ", failure);
+}
+
+bool pools_2x2(const paddle::Tensor& x, int kernel, int stride) {
+  return kernel == 2 && stride == 2 && x.shape().size() == 5 && x.shape()[4] % 4 == 0;
+}
+
 std::vector<paddle::Tensor> PoolReluForward(const paddle::Tensor& x, int kernel, int stride) {
-  std::vector<paddle::Tensor> out = PoolForward(x, kernel, stride);
-  float* y = out[0].data<float>();
-  where_positive(y, y, y, out[0].numel());
-  return out;
+  if (!pools_2x2(x, kernel, stride)) {
+    std::vector<paddle::Tensor> out = PoolForward(x, kernel, stride);
+    float* y = out[0].data<float>();
+    where_positive(y, y, y, out[0].numel());
+    return out;
+  }
+  check_map(x, "onednn_max_pool_relu_blocked", "x");
+  const auto& s = x.shape();
+  const PoolShape shape = pool_shape(s, kernel, stride);
+  auto out = empty(blocked_shape(shape.dst, shape.block));
+  auto mask = empty(blocked_shape(shape.dst, shape.block), paddle::DataType::UINT8);
+  const float* x_data = x.data<float>();
+  float* y = out.data<float>();
+  uint8_t* m = mask.data<uint8_t>();
+  over_planes(s[0] * s[1], "onednn_max_pool_relu_blocked", [&](int64_t first, int64_t last) {
+    pool_relu_2x2(x_data, y, m, first, last, s[2], s[3], s[4]);
+  });
+  return {out, mask};
 }
 
 // The gradient passes where the output is positive (elsewhere 0), then back through the pool.
@@ -452,11 +570,20 @@ std::vector<paddle::Tensor> PoolReluBackward(const paddle::Tensor& x, const padd
   check_float(grad_out, "onednn_max_pool_relu_blocked", "the output's gradient");
   PD_CHECK(out.numel() == grad_out.numel(), "onednn_max_pool_relu_blocked: the output's gradient has ",
            grad_out.numel(), " values for an output of ", out.numel());
+  if (pools_2x2(x, kernel, stride)) {
+    const auto& s = x.shape();
+    auto grad_x = empty(s);
+    const float* g = grad_out.data<float>();
+    const float* y = out.data<float>();
+    const uint8_t* m = ws.data<uint8_t>();
+    float* gx = grad_x.data<float>();
+    over_planes(s[0] * s[1], "onednn_max_pool_relu_blocked", [&](int64_t first, int64_t last) {
+      unpool_relu_2x2(g, y, m, gx, first, last, s[2], s[3], s[4]);
+    });
+    return {grad_x};
+  }
   auto passed = empty(grad_out.shape());
-  const float* y = out.data<float>();
-  const float* g = grad_out.data<float>();
-  float* p = passed.data<float>();
-  where_positive(y, g, p, out.numel());
+  where_positive(out.data<float>(), grad_out.data<float>(), passed.data<float>(), out.numel());
   return PoolBackward(x, ws, passed, kernel, stride);
 }
 
