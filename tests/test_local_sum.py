@@ -239,13 +239,15 @@ def test_two_workers_train_glooes_weights_through_shared_memory_and_leave_nothin
 
 @pytest.mark.slow
 def test_a_worker_killed_mid_training_is_named_and_leaves_nothing_in_dev_shm(tmp_path):
-    """Killed mid-epoch (step 8 of 32): rank 0 then waits in a shared-memory sum, not in a gloo gather."""
+    """Killed mid-epoch (step 8 of 128): rank 0 then waits in a shared-memory sum, not in a gloo gather. The epoch
+    is long enough that the kill lands within it on a loaded machine (with 32 steps an epoch, a default-model step
+    of 5 ms, and a second test beside it, rank 0 once reached the epoch's end, and gloo's gather, first)."""
     before = shm_files()
-    data_dir = make_dataset(tmp_path / "mnist", n_train=2048, n_test=100)
+    data_dir = make_dataset(tmp_path / "mnist", n_train=8192, n_test=100)
     args = [
         *JOB,
         "--train-limit",
-        "2048",
+        "8192",
         "--epochs",
         "5",
         "--data-dir",
@@ -256,7 +258,7 @@ def test_a_worker_killed_mid_training_is_named_and_leaves_nothing_in_dev_shm(tmp
     cmd = [sys.executable, "-m", "paddle.distributed.launch", "--nproc_per_node", "2", "--log_dir", str(tmp_path / "l")]
     job = subprocess.Popen([*cmd, str(TRAIN_PY), *args], cwd=tmp_path, env=launch_env(), stdout=subprocess.DEVNULL)
     with reaped(job):
-        wait_for(job, tmp_path / "l" / "workerlog.0", "epoch 1 step 8/32")
+        wait_for(job, tmp_path / "l" / "workerlog.0", "epoch 1 step 8/128")
         rank_0 = rank_pid(tmp_path / "o", 0)
         os.kill(rank_pid(tmp_path / "o", 1), signal.SIGKILL)
         rank_0_ended, _ = watch_end(job, rank_0, limit=60)
