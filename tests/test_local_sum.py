@@ -37,11 +37,12 @@ from paddle_mnist.runtime.local_sum import LocalSum
 
 # One rank of a job of LocalSums, in a process of its own: argv is the rank, the world, the segment's path, an
 # output .npz and a deadline; rank 0 creates the segment (its path then written to PATH.created). Three sums of
-# float32 (one of two parts, scaled), one of float64, one max, then two float64 sums rounded into float32 arrays;
-# each rank's values drawn from its own seed.
+# float32 (one of two parts, scaled), one of float64, one max, then float64 sums rounded into float32 arrays (three
+# of them, a float32 sum between the last two); each rank's values drawn from its own seed.
 RANK = r"""
 import sys, time, numpy as np
 from paddle_mnist.runtime.local_sum import LocalSum
+ORDERED = (1 + 2**-24, 2**-53 + 2**-60, -(2**-53))
 rank, world, path, out, deadline = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], float(sys.argv[5])
 if rank == 0:
     s = LocalSum.create(world, 1 << 16, deadline)
@@ -66,6 +67,17 @@ kept = e.copy(), f.copy()
 got["e"], got["f"] = np.empty(400, np.float32), np.empty((5, 4), np.float32)
 s.sum_rounded_into([e, f], [got["e"], got["f"]])
 assert np.array_equal(e, kept[0]) and np.array_equal(f, kept[1])  # the parts keep their values
+# rounded sums one after another and between plain ones (the sets in turn), a part of fewer values than ranks
+g, h = rng.standard_normal(1), rng.standard_normal(33)
+got["g"], got["h"] = np.empty(1, np.float32), np.empty(33, np.float32)
+s.sum_rounded_into([g, h], [got["g"], got["h"]])
+got["i"] = s.sum(rng.standard_normal(64).astype(np.float32))
+j = rng.standard_normal((9, 7))
+got["j"] = np.empty((9, 7), np.float32)
+s.sum_rounded_into([j], [got["j"]])
+# values whose float64 sum rounds to another float32 if the ranks are added in another order (expected())
+got["k"] = np.empty(6, np.float32)
+s.sum_rounded_into([np.full(6, ORDERED[rank])], [got["k"]])
 print("entered", flush=True)
 if len(sys.argv) > 6:  # a sum rank 0 enters and the others never do
     if rank == 0:
@@ -100,15 +112,22 @@ def expected(world: int) -> dict:
         a, b = rng.standard_normal(1000).astype(np.float32), rng.standard_normal((7, 3)).astype(np.float32)
         c = rng.standard_normal(5000).astype(np.float32)
         d, m = rng.standard_normal(300), rng.standard_normal(50)
-        draws.append((a, b, c, d, m, rng.standard_normal(400), rng.standard_normal((5, 4))))
+        e, f = rng.standard_normal(400), rng.standard_normal((5, 4))
+        g, h = rng.standard_normal(1), rng.standard_normal(33)
+        i = rng.standard_normal(64).astype(np.float32)
+        j = rng.standard_normal((9, 7))
+        # 1 + 2^-24 lies halfway between two float32s: in rank order 0, 1, 2 the float64 sum stays on it and
+        # rounds to 1, as rank 0 then 2 then 1 would not (1 + 2^-23); on 2 ranks it rounds up
+        k = np.full(6, (1 + 2**-24, 2**-53 + 2**-60, -(2**-53))[r])
+        draws.append((a, b, c, d, m, e, f, g, h, i, j, k))
     scale = np.float32(1 / world)
     want = {}
-    for i, key in enumerate("abcdmef"):
+    for i, key in enumerate("abcdmefghijk"):
         parts = [d[i] * scale if key in "ab" else d[i] for d in draws]
         total = parts[0].copy()
         for part in parts[1:]:
             total = np.maximum(total, part) if key == "m" else total + part
-        want[key] = total.astype(np.float32) if key in "ef" else total  # added in float64, rounded once
+        want[key] = total.astype(np.float32) if key in "efghjk" else total  # added in float64, rounded once
     return want
 
 

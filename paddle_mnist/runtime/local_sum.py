@@ -3,10 +3,14 @@ raises its flag, waits for every other flag, and adds the slots in rank order, s
 
 Paddle's gloo all-reduce runs a ring over TCP in the calling thread, with two thread wake-ups a hop; here a sum is
 one copy in, a wait on the others' flags (the training thread spins, then yields, then sleeps), and one pass over
-the slots. The segment holds a line of 64 bytes a rank (its flag: the number of sums it has entered; its pid), then
-two sets of slots used in turn: a rank enters sum s + 2, which overwrites set s % 2, only after every rank raised
-its flag for s + 1, which each does only after it has read sum s. x86's stores are seen in the order they were made
-(the slot before the flag), so on other processors the workers keep to gloo (usable).
+the slots. The segment holds a line of 64 bytes a rank (its flag: the number of times it has raised it; its pid),
+then two sets of slots used by the sums in turn: a rank enters sum s + 2, which overwrites set s % 2, only after
+every rank raised its last flag of sum s + 1, which each does only after it has read sum s. x86's stores are seen in
+the order they were made (the slot before the flag), so on other processors the workers keep to gloo (usable).
+
+The float64 sums rounded into float32 gradients (sum_rounded_into: exact.py's, twice the bytes) are shared out: each
+rank adds up one chunk of every part, its own, over the ranks, rounds it and hands the float32 result over, so a
+rank copies in only the chunks the others add, and adds a chunk where every rank added all of them.
 
 Nothing is left in /dev/shm: rank 0 creates the file under a name no other job can have (O_EXCL, random), every
 rank maps it, and rank 0 removes the name before the first step; the memory lives until the last worker's mapping
@@ -84,7 +88,8 @@ class LocalSum:
         self._flags = header[0 :: LINE // 8]  # a strided view: one int64 a rank, 64 bytes apart
         self._pids = header[1 :: LINE // 8]
         self._pids[rank] = os.getpid()
-        self._entered = 0
+        self._raised = 0  # this rank's flag: how many times it has raised it
+        self._sums = 0  # the sums entered, which take the two sets in turn
         self._oversubscribed = world > len(os.sched_getaffinity(0))  # the cores this process may run on
 
     @classmethod
@@ -129,26 +134,32 @@ class LocalSum:
         return np.frombuffer(self._map, dtype=like.dtype, count=like.size, offset=start).reshape(like.shape)
 
     def _enter(self, parts: list[np.ndarray], scale: float | None) -> int:
-        """Copy the parts (times scale) one after another into this rank's slot and raise the flag, then wait for
-        every rank's; the sum's number."""
-        entered = self._entered + 1
+        """Copy the parts (times scale) one after another into this rank's slot of the next sum's set, raise the
+        flag and wait for every rank's; the set."""
+        self._sums += 1
+        which = self._sums % 2
         offset = 0
         for part in parts:
-            mine = self._slot(entered % 2, self.rank, part, offset)
+            mine = self._slot(which, self.rank, part, offset)
             if scale is None:
                 np.copyto(mine, part)
             else:
                 np.multiply(part, part.dtype.type(scale), out=mine)
             offset += part.nbytes
-        self._flags[self.rank] = entered  # after the slot: x86 makes the stores visible in this order
-        self._wait(entered)
-        self._entered = entered
-        return entered
+        self._meet()
+        return which
+
+    def _meet(self) -> None:
+        """Raise this rank's flag, after every store before it (x86 makes them visible in this order), and wait
+        until every rank has raised its flag as often."""
+        self._raised += 1
+        self._flags[self.rank] = self._raised
+        self._wait(self._raised)
 
     def sum_into(self, parts: list[np.ndarray], scale: float | None = None) -> None:
         """Replace each part (contiguous arrays of one dtype, writable) by its sum over the ranks, each rank's
         times scale if given, added in rank order: the same bits on every rank."""
-        which = self._enter(parts, scale) % 2
+        which = self._enter(parts, scale)
         offset = 0
         for part in parts:
             self._add_up(which, part, offset, part)
@@ -168,17 +179,43 @@ class LocalSum:
     def sum_rounded_into(self, parts: list[np.ndarray], outs: list[np.ndarray]) -> None:
         """Each part's sum over the ranks, added in rank order in the parts' dtype as sum_into adds them, rounded
         once into its out, an array of a narrower dtype (float64 sums into float32 gradients): the same bits as
-        sum_into and a cast, with fewer passes over memory (on 2 ranks, one). The parts keep their values."""
-        which = self._enter(parts, None) % 2
-        offset = 0
-        for part, out in zip(parts, outs):
-            if self.world <= 2:  # numpy adds float64 inputs in float64 and rounds once into a float32 out
-                self._add_up(which, part, offset, out)
+        sum_into and a cast. Shared out (the module's docstring): chunk c of each part (its c-th of world nearly
+        equal runs of elements) is added up by rank c, which reads its own values where they are and the others'
+        from their slots, and rounds the sum into its out and into its own slot's chunk c, where the others copy
+        it from. The parts keep their values."""
+        if self.world == 1:
+            for part, out in zip(parts, outs):
+                np.copyto(out, part, casting="same_kind")
+            return
+        self._sums += 1
+        which = self._sums % 2
+        flat = [(part.reshape(-1), out.reshape(-1), offset) for part, out, offset in _laid_out(parts, outs)]
+        for part, _, offset in flat:  # the chunks the other ranks add up
+            for c in range(self.world):
+                if c != self.rank:
+                    lo, hi = _chunk(part.size, c, self.world)
+                    np.copyto(self._slot(which, self.rank, part[lo:hi], offset + lo * part.itemsize), part[lo:hi])
+        self._meet()
+        for part, out, offset in flat:  # this rank's chunk, over the ranks in order, rounded once
+            lo, hi = _chunk(part.size, self.rank, self.world)
+            pieces = [
+                part[lo:hi] if r == self.rank else self._slot(which, r, part[lo:hi], offset + lo * part.itemsize)
+                for r in range(self.world)
+            ]
+            if self.world == 2:  # numpy adds float64 inputs in float64 and rounds once into a float32 out
+                np.add(pieces[0], pieces[1], out=out[lo:hi], casting="same_kind")
             else:
-                total = np.empty_like(part)
-                self._add_up(which, part, offset, total)
-                np.copyto(out, total, casting="same_kind")
-            offset += part.nbytes
+                total = pieces[0] + pieces[1]
+                for piece in pieces[2:]:
+                    total += piece
+                np.copyto(out[lo:hi], total, casting="same_kind")
+            np.copyto(self._slot(which, self.rank, out[lo:hi], offset + lo * part.itemsize), out[lo:hi])
+        self._meet()
+        for part, out, offset in flat:  # the others' chunks, rounded
+            for c in range(self.world):
+                if c != self.rank:
+                    lo, hi = _chunk(out.size, c, self.world)
+                    np.copyto(out[lo:hi], self._slot(which, c, out[lo:hi], offset + lo * part.itemsize))
 
     def sum(self, values: np.ndarray, scale: float | None = None) -> np.ndarray:
         """A new array: values summed as sum_into sums a part."""
@@ -188,7 +225,7 @@ class LocalSum:
 
     def max(self, values: np.ndarray) -> np.ndarray:
         values = np.ascontiguousarray(values)
-        which = self._enter([values], None) % 2
+        which = self._enter([values], None)
         top = self._slot(which, 0, values).copy()
         for r in range(1, self.world):
             np.maximum(top, self._slot(which, r, values), out=top)
@@ -229,6 +266,20 @@ class LocalSum:
                 "slower than the others)",
                 late,
             )
+
+
+def _chunk(size: int, c: int, world: int) -> tuple[int, int]:
+    """The elements [lo, hi) of chunk c of size elements split into world nearly equal runs."""
+    return size * c // world, size * (c + 1) // world
+
+
+def _laid_out(parts: list[np.ndarray], outs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """Each part with its out and its offset in a slot: the parts one after another, as _enter lays them."""
+    laid, offset = [], 0
+    for part, out in zip(parts, outs):
+        laid.append((part, out, offset))
+        offset += part.nbytes
+    return laid
 
 
 def _exists(pid: int) -> bool:
