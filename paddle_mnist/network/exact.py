@@ -111,8 +111,9 @@ def _wide(t: paddle.Tensor) -> paddle.Tensor:
     return t.astype("float64")
 
 
-ROWS = 16  # the dense layers' block of rows: cifar_cnn's 1,600 by 512 layer, 64 rows forward by oneDNN, 0.37 ms on 2
-# threads at 16, 0.33 at 32 (one block a thread at 32 images a worker), 0.49 at 8 (scripts/rows_product.py)
+ROWS = 16  # the dense layers' block of rows: a 1,600 by 512 layer (cifar_cnn's at 28x28), 64 rows forward by
+# oneDNN, 0.37 ms on 2 threads at 16, 0.33 at 32 (one block a thread at 32 images a worker), 0.49 at 8
+# (scripts/rows_product.py)
 # Without the oneDNN operators, smaller weights multiply in float64 and round once, as fast as Paddle's blocks there:
 # mnist_cnn's 980 by 10 layer (its exact path read 0.97 and 0.96 of float32 at 1x1 and 2x1 so, 0.96 and 0.93 in
 # blocks; Zen 4). By oneDNN its blocks take 0.02 ms against 0.04 in float64 (1 thread).
@@ -125,9 +126,9 @@ def by_rows(x: paddle.Tensor, w: paddle.Tensor, transpose_y: bool = False) -> pa
     (tests/test_exact.py). One product of all the rows is not (a GEMM's order of adding changes with their number),
     nor is Paddle's batched product of blocks, which it makes one product again. Where the oneDNN operators run, one
     oneDNN matmul a block, the blocks shared among the process's threads (csrc/matmul.cc); elsewhere one Paddle
-    product a block, on one thread. cifar_cnn's 1,600 by 512 layer, 64 rows forward, on an AMD EPYC with AVX-512 with
-    the trainer's settings: 0.37 ms so on 2 threads, 0.65 on 1, against 1.1 in Paddle's blocks and 0.47 and 1.0
-    for Paddle's one product of all the rows (scripts/rows_product.py)."""
+    product a block, on one thread. A 1,600 by 512 layer (cifar_cnn's at 28x28), 64 rows forward, on an AMD EPYC
+    with AVX-512 with the trainer's settings: 0.37 ms so on 2 threads, 0.65 on 1, against 1.1 in Paddle's blocks
+    and 0.47 and 1.0 for Paddle's one product of all the rows (scripts/rows_product.py)."""
     shape, k = x.shape, x.shape[-1]
     rows = x.reshape([-1, k])
     if fastpath.can_run(rows) and w.dtype == paddle.float32:

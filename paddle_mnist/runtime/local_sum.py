@@ -370,7 +370,7 @@ def average(local: LocalSum, grads: list, world: int) -> None:
 
 def sum_rounded(local: LocalSum | None, sums: list, targets: list) -> bool:
     """Each of sums (float64 tensors) summed over the workers and rounded once into its target (a float32 tensor of
-    its shape): the same bits as a sum in place then a cast, in one pass over the shared memory (cifar_cnn's 7 MB of
+    its shape): the same bits as a sum in place then a cast, each rank adding up its chunk (cifar_cnn's 10 MB of
     float64 sums a step: network/exact.py); False, having done nothing, where local cannot carry them (None, too
     small, or a tensor without a writable view)."""
     if local is None or not local.fits(sum(t.size * t.element_size() for t in sums)):
