@@ -527,15 +527,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void unpool_relu_2x
 // kernels run on, already waiting) where it has more than one thread; each plane's values are the same either way.
 void over_planes(int64_t planes, const char* op, const std::function<void(int64_t, int64_t)>& body) {
   const Team& team = Team::get();
-  const int64_t threads = team.usable() ? std::min<int64_t>(team.max_threads(), planes) : 1;
-  if (threads <= 1) {
-    body(0, planes);
-    return;
-  }
-  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
-    body(planes * t / team_size, planes * (t + 1) / team_size);
-  });
-  PD_CHECK(failure.empty(), op, ": ", failure);
+  team.share(team.usable() ? std::min<int64_t>(team.max_threads(), planes) : 1, planes, op, body);
 }
 
 bool pools_2x2(const paddle::Tensor& x, int kernel, int stride) {

@@ -114,19 +114,11 @@ void rows_product(const float* x, const float* w, float* out, int64_t m, int64_t
   const auto plan = plans.find_or_make(shape, true, [&] { return std::make_shared<const Plan>(shape); });
   const int64_t blocks = (m + rows - 1) / rows;
   const Team& team = Team::get();
-  const int64_t threads = sharing_threads(team, k, n, blocks);
-  if (threads <= 1) {
-    const OpenMPThreads one(1);
-    BlockRunner runner(*plan, x, w, out, m);
-    for (int64_t b = 0; b < blocks; ++b) runner.run(b);
-    return;
-  }
-  const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
+  team.share(sharing_threads(team, k, n, blocks), blocks, op, [&](int64_t first, int64_t last) {
     const OpenMPThreads one(1);  // a kernel that asks for threads inside gets this one
     BlockRunner runner(*plan, x, w, out, m);
-    for (int64_t b = blocks * t / team_size; b < blocks * (t + 1) / team_size; ++b) runner.run(b);
+    for (int64_t b = first; b < last; ++b) runner.run(b);
   });
-  PD_CHECK(failure.empty(), op, ": ", failure);
 }
 
 void check_2d_float(const paddle::Tensor& t, const char* op, const char* what) {
@@ -270,16 +262,9 @@ std::vector<paddle::Tensor> DenseBackward(const paddle::Tensor& x, const paddle:
   // the padded rows of a (x's last columns) past k: written to a scratch tile, not past the gradient's end
   const int64_t whole = in_place ? k / kTileOutputs : operands.a_padded / kTileOutputs;
   const Team& team = Team::get();
-  const int64_t threads = sharing_threads(team, k, n, whole);
-  if (threads <= 1) {
-    product_rows(operands, 0, whole, out);
-  } else {
-    const std::string failure = team.run(static_cast<int>(threads), [&](int64_t t, int64_t team_size) {
-      const int64_t first = whole * t / team_size;
-      product_rows(operands, first, whole * (t + 1) / team_size, out + first * kTileOutputs * operands.b_padded);
-    });
-    PD_CHECK(failure.empty(), op, ": ", failure);
-  }
+  team.share(sharing_threads(team, k, n, whole), whole, op, [&](int64_t first, int64_t last) {
+    product_rows(operands, first, last, out + first * kTileOutputs * operands.b_padded);
+  });
   if (in_place && whole * kTileOutputs < k) {
     std::vector<double> last(kTileOutputs * operands.b_padded);
     product_rows(operands, whole, whole + 1, last.data());

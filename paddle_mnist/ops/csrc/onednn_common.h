@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -256,6 +257,19 @@ class Team {
     return call.failure;
   }
   void barrier() const { barrier_(); }
+  // body(first, last) over the items 0 to count - 1: split among `threads` threads of the team, in contiguous runs,
+  // or all on the calling thread where threads is 1 or fewer. A failure in the team throws, naming op.
+  void share(int64_t threads, int64_t count, const char* op,
+             const std::function<void(int64_t, int64_t)>& body) const {
+    if (threads <= 1) {
+      body(0, count);
+      return;
+    }
+    const std::string failure = run(static_cast<int>(threads), [&](int t, int team_size) {
+      body(count * t / team_size, count * (t + 1) / team_size);
+    });
+    if (!failure.empty()) throw std::runtime_error(std::string(op) + ": " + failure);
+  }
 
  private:
   Team() {
