@@ -189,19 +189,16 @@ class LocalSum:
             return
         self._sums += 1
         which = self._sums % 2
-        flat = [(part.reshape(-1), out.reshape(-1), offset) for part, out, offset in _laid_out(parts, outs)]
-        for part, _, offset in flat:  # the chunks the other ranks add up
-            for c in range(self.world):
+        chunked = _chunked(parts, outs, self.world)
+        for part, _, runs in chunked:  # the chunks the other ranks add up
+            for c, (lo, hi, at) in enumerate(runs):
                 if c != self.rank:
-                    lo, hi = _chunk(part.size, c, self.world)
-                    np.copyto(self._slot(which, self.rank, part[lo:hi], offset + lo * part.itemsize), part[lo:hi])
+                    np.copyto(self._slot(which, self.rank, part[lo:hi], at), part[lo:hi])
         self._meet()
-        for part, out, offset in flat:  # this rank's chunk, over the ranks in order, rounded once
-            lo, hi = _chunk(part.size, self.rank, self.world)
-            pieces = [
-                part[lo:hi] if r == self.rank else self._slot(which, r, part[lo:hi], offset + lo * part.itemsize)
-                for r in range(self.world)
-            ]
+        for part, out, runs in chunked:  # this rank's chunk, over the ranks in order, rounded once
+            lo, hi, at = runs[self.rank]
+            mine = part[lo:hi]
+            pieces = [mine if r == self.rank else self._slot(which, r, mine, at) for r in range(self.world)]
             if self.world == 2:  # numpy adds float64 inputs in float64 and rounds once into a float32 out
                 np.add(pieces[0], pieces[1], out=out[lo:hi], casting="same_kind")
             else:
@@ -209,13 +206,12 @@ class LocalSum:
                 for piece in pieces[2:]:
                     total += piece
                 np.copyto(out[lo:hi], total, casting="same_kind")
-            np.copyto(self._slot(which, self.rank, out[lo:hi], offset + lo * part.itemsize), out[lo:hi])
+            np.copyto(self._slot(which, self.rank, out[lo:hi], at), out[lo:hi])
         self._meet()
-        for part, out, offset in flat:  # the others' chunks, rounded
-            for c in range(self.world):
+        for _, out, runs in chunked:  # the others' chunks, rounded
+            for c, (lo, hi, at) in enumerate(runs):
                 if c != self.rank:
-                    lo, hi = _chunk(out.size, c, self.world)
-                    np.copyto(out[lo:hi], self._slot(which, c, out[lo:hi], offset + lo * part.itemsize))
+                    np.copyto(out[lo:hi], self._slot(which, c, out[lo:hi], at))
 
     def sum(self, values: np.ndarray, scale: float | None = None) -> np.ndarray:
         """A new array: values summed as sum_into sums a part."""
@@ -268,16 +264,15 @@ class LocalSum:
             )
 
 
-def _chunk(size: int, c: int, world: int) -> tuple[int, int]:
-    """The elements [lo, hi) of chunk c of size elements split into world nearly equal runs."""
-    return size * c // world, size * (c + 1) // world
-
-
-def _laid_out(parts: list[np.ndarray], outs: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray, int]]:
-    """Each part with its out and its offset in a slot: the parts one after another, as _enter lays them."""
+def _chunked(parts: list[np.ndarray], outs: list[np.ndarray], world: int) -> list[tuple]:
+    """Each part and its out, flattened, with its chunks, one a rank: (first element, end, where in a slot it
+    starts, in bytes), the part's values split into world nearly equal runs, the parts one after another in the
+    slot as _enter lays them."""
     laid, offset = [], 0
     for part, out in zip(parts, outs):
-        laid.append((part, out, offset))
+        n = part.size
+        runs = [(n * c // world, n * (c + 1) // world, offset + n * c // world * part.itemsize) for c in range(world)]
+        laid.append((part.reshape(-1), out.reshape(-1), runs))
         offset += part.nbytes
     return laid
 
